@@ -1,0 +1,30 @@
+"""`pagedinfer` command line: subcommands are registered by the modules that own them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedinfer", description="paged-infer LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("native-demo", help="exercise the native paged KV-cache core")
+    demo.set_defaults(func=_native_demo)
+    return parser
+
+
+def _native_demo(args: argparse.Namespace) -> int:
+    from pagedinfer import _native
+
+    print(f"pagedinfer._native {_native.version()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

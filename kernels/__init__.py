@@ -1,0 +1,1 @@
+"""Triton PagedAttention kernels and their pure-PyTorch references."""

@@ -1,0 +1,5 @@
+#pragma once
+
+namespace pagedinfer {
+const char* version();
+}  // namespace pagedinfer
