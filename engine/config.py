@@ -1,0 +1,116 @@
+"""Frozen configuration dataclasses: model, cache, scheduler, speculative, device, server.
+
+Environment variables are read in one place only: `ServerConfig.from_env_defaults`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL_URI = "builtin://smollm2-135m"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style rope scaling ("llama3"), or linear; None on the ModelConfig means none."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyperparameters of a Llama-family decoder (from config.json or GGUF metadata)."""
+
+    architecture: str  # "llama", "mistral", "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90  # fraction of device memory the engine may use in all
+    num_blocks: int | None = None  # explicit override of the memory-derived count
+    cpu_kv_cache_bytes: int = 512 * 1024 * 1024  # KV budget when running on the CPU
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = 1024  # beyond: RESOURCE_EXHAUSTED / HTTP 429
+    aging_seconds: float = 30.0  # a waiting request gains one priority level per this much wait
+    watermark_blocks_fraction: float = 0.01  # kept free at admission so running decodes can grow
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None  # None, "ngram" or "draft"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    max_batch_size: int = 32  # above this many running sequences speculation is skipped for the step
+    min_acceptance_rate: float = 0.2  # per sequence, below this its speculation pauses
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    enable_cuda_graphs: bool = True
+    attention_backend: str = "auto"  # "auto" | "triton" | "reference"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL_URI
+    served_model_name: str | None = None
+    revision: str | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    max_ws_message_bytes: int = 1 << 20
+    max_request_bytes: int = 4 << 20
+    drain_timeout_seconds: float = 30.0
+    enable_vllm_metrics: bool = True  # Gateway API Inference Extension names (vllm:*)
+
+    @staticmethod
+    def api_key_from_env() -> str | None:
+        return os.environ.get("PAGEDINFER_API_KEY") or None

@@ -1,0 +1,88 @@
+"""Per-request sampling parameters: validated once at the door, immutable afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never serve (bad parameter, prompt too long, ...).
+
+    Servers map it to gRPC INVALID_ARGUMENT / HTTP 400 / a WebSocket error message.
+    """
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. `temperature == 0` means greedy."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k alternatives
+    skip_special_tokens: bool = True
+    use_speculation: bool = True  # per-request opt-out of speculative decoding
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    MAX_N = 16
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        # Tolerate lists from JSON/protobuf callers; store tuples so the object stays hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        checks = [
+            (1 <= self.n <= self.MAX_N, f"n must be in [1, {self.MAX_N}], got {self.n}"),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be >= 1, got {self.max_tokens}",
+            ),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
+            (0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                0.0 < self.repetition_penalty <= 2.0,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+                f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (len(self.stop) <= 16, "at most 16 stop strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
