@@ -1,0 +1,234 @@
+"""Triton paged decode attention: GQA-grouped, split-K ("flash-decoding") with a reduction kernel.
+
+Grid (num_seqs, num_kv_heads, num_splits). A program holds the GROUP query heads that share one
+KV head (padded to >= 16 rows for tl.dot), reads its share of the sequence's tokens straight
+from the paged cache through the block table (no gather copy), and keeps an online softmax in
+fp32. Each KV tile is loaded once for the whole group. With num_splits > 1 every split writes a
+normalized partial output and its log-sum-exp (base 2); _reduce_kernel merges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shape of the decode kernel: BLOCK_N tokens per iteration."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [S, H, D]
+    k_cache_ptr,  # [NB, BS, KVH, D]
+    v_cache_ptr,  # [NB, BS, KVH, D]
+    block_tables_ptr,  # int32 [S, MB]
+    context_lens_ptr,  # int32 [S]
+    out_ptr,  # [S, H, D] (written when NUM_SPLITS == 1)
+    part_out_ptr,  # fp32 [S, H, NUM_SPLITS, D_PAD] (written when NUM_SPLITS > 1)
+    part_lse_ptr,  # fp32 [S, H, NUM_SPLITS]
+    qk_scale,  # softmax scale * log2(e)
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bts,
+    stride_os,
+    stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + g  # [GROUP_PAD]
+    g_mask = g < GROUP
+    d_mask = d < head_dim
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_mask = pos < end
+        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offsets = pos % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
+        k = tl.load(k_ptrs + kv_head * stride_kh, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
+        v = tl.load(v_ptrs + kv_head * stride_vh, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        row = (seq.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_out_ptr + row[:, None] * D_PAD + d[None, :], out, mask=g_mask[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr,  # fp32 [S, H, NUM_SPLITS, D_PAD]
+    part_lse_ptr,  # fp32 [S, H, NUM_SPLITS]
+    out_ptr,  # [S, H, D]
+    stride_os,
+    stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    p = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    p_mask = p < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + p, mask=p_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty splits
+    parts_ptrs = part_out_ptr + (row * NUM_SPLITS + p[:, None]) * D_PAD + d[None, :]
+    parts = tl.load(parts_ptrs, mask=p_mask[:, None], other=0.0)  # [SPLITS_PAD, D_PAD]
+    denom = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    o_ptrs = out_ptr + seq * stride_os + head * stride_oh + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough splits that the grid covers about two waves of the GPU, with >= 256 tokens a split.
+
+    max_context is a host-side bound (the block table's width times block_size), so the choice
+    never needs a device sync and stays fixed for a CUDA-graph batch bucket.
+    """
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = triton.cdiv(2 * num_sms, programs)
+    splits = min(splits, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
+    return max(1, splits)
+
+
+def default_config(head_dim: int, device: torch.device) -> DecodeConfig:
+    if device.type != "cuda":  # interpreter: wide tiles mean fewer interpreted iterations
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig()
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """query [S, H, D] -> out [S, H, D]; arguments already checked by ops.paged_decode_attention."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    config = config or default_config(head_dim, query.device)
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, query.device)
+    num_splits = min(num_splits, MAX_SPLITS)
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_heads, num_splits, d_pad, dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        D_PAD=d_pad,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            D_PAD=d_pad,
+            num_warps=4,
+        )
+    return out
