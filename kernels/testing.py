@@ -1,0 +1,210 @@
+"""Test cases shared by the kernel tests (CPU interpreter, GPU) and the benchmark.
+
+A case builds a random paged batch (shuffled block tables, optional blocks shared by every
+sequence, random ids past each sequence's end, random data everywhere) and compares a backend's
+output with the reference evaluated in float64 on the same inputs, by ||out - ref|| / ||ref||.
+
+`python -m pagedinfer.kernels.testing OUT.json` runs INTERPRETER_CASES on the CPU (set
+TRITON_INTERPRET=1 in its environment) and writes one result per case.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagedinfer.kernels import ops, reference
+
+# Relative Frobenius error allowed per dtype (CUDA fp32 dots run as tf32).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+CUDA_FP32_TOLERANCE = 3e-3
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One kernel check. kind: 'decode', 'extend' or 'write'."""
+
+    name: str
+    kind: str
+    seq_lens: tuple[int, ...]
+    q_lens: tuple[int, ...] = ()  # extend: new tokens per sequence (<= seq_len)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    block_size: int = 16
+    num_splits: int | None = None
+    shared_blocks: int = 0  # leading blocks every sequence shares (a common prefix)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    name: str
+    dtype: str
+    rel_err: float
+    max_abs_err: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.rel_err) and self.rel_err <= self.tolerance
+
+
+def make_block_tables(
+    seq_lens: list[int], block_size: int, shared_blocks: int, gen: torch.Generator
+) -> tuple[torch.Tensor, int]:
+    """Shuffled int32 block tables [S, MB] and the number of blocks the cache needs."""
+    needed = [max(0, math.ceil(n / block_size) - shared_blocks) for n in seq_lens]
+    num_blocks = shared_blocks + sum(needed) + 3  # a few blocks nobody uses
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max([math.ceil(n / block_size) for n in seq_lens] + [1]) + 1
+    tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)  # junk tail
+    shared, cursor = perm[:shared_blocks], shared_blocks
+    for s, n_own in enumerate(needed):
+        tables[s, :shared_blocks] = shared
+        tables[s, shared_blocks : shared_blocks + n_own] = perm[cursor : cursor + n_own]
+        cursor += n_own
+    return tables.to(torch.int32), num_blocks
+
+
+def _random(shape, dtype, device, gen) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+def _make_attention_inputs(case: AttentionCase, dtype, device, gen) -> dict:
+    tables, num_blocks = make_block_tables(list(case.seq_lens), case.block_size, case.shared_blocks, gen)
+    cache_shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
+    q_lens = case.q_lens or (1,) * len(case.seq_lens)
+    num_tokens = sum(q_lens) if case.kind == "extend" else len(case.seq_lens)
+    return {
+        "query": _random((num_tokens, case.num_heads, case.head_dim), dtype, device, gen),
+        "key_cache": _random(cache_shape, dtype, device, gen),
+        "value_cache": _random(cache_shape, dtype, device, gen),
+        "block_tables": tables.to(device),
+        "lens": torch.tensor(case.seq_lens, dtype=torch.int32, device=device),
+        "query_start_loc": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device),
+        "max_query_len": max(q_lens),
+        "scale": case.head_dim**-0.5,
+    }
+
+
+def _run_attention(case: AttentionCase, x: dict, backend: str, upcast: bool) -> torch.Tensor:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.double() if upcast else t
+
+    q, kc, vc = cast(x["query"]), cast(x["key_cache"]), cast(x["value_cache"])
+    if backend == "reference64":
+        fn_decode, fn_extend = reference.paged_decode_attention, reference.paged_extend_attention
+        kw: dict = {}
+    else:
+        fn_decode, fn_extend = ops.paged_decode_attention, ops.paged_extend_attention
+        kw = {"backend": backend}
+    if case.kind == "decode":
+        if backend != "reference64":
+            kw["num_splits"] = case.num_splits
+        return fn_decode(q, kc, vc, x["block_tables"], x["lens"], x["scale"], **kw)
+    return fn_extend(
+        q, kc, vc, x["block_tables"], x["query_start_loc"], x["lens"], x["scale"], x["max_query_len"], **kw
+    )
+
+
+def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    if dtype == torch.float32 and device.type == "cuda":
+        return CUDA_FP32_TOLERANCE
+    return TOLERANCE[dtype]
+
+
+def _compare(case: AttentionCase, dtype, device, out: torch.Tensor, ref: torch.Tensor) -> CaseResult:
+    diff = out.double() - ref.double()
+    ref_norm = float(ref.double().norm())
+    rel = float(diff.norm()) / max(ref_norm, 1e-30)
+    max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+    if not bool(torch.isfinite(out).all()):
+        rel = float("nan")
+    return CaseResult(case.name, str(dtype).removeprefix("torch."), rel, max_abs, _tolerance(dtype, device))
+
+
+def _run_write(case: AttentionCase, dtype, device, backend: str, gen) -> CaseResult:
+    """Write every sequence's tokens (shuffled order) into its slots; compare the whole caches."""
+    tables, num_blocks = make_block_tables(list(case.seq_lens), case.block_size, 0, gen)
+    slots = [
+        int(tables[s, p // case.block_size]) * case.block_size + p % case.block_size
+        for s, n in enumerate(case.seq_lens)
+        for p in range(n)
+    ]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)[torch.randperm(len(slots), generator=gen)]
+    shape = (len(slots), case.num_kv_heads, case.head_dim)
+    key, value = _random(shape, dtype, device, gen), _random(shape, dtype, device, gen)
+    cache_shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
+    caches = [_random(cache_shape, dtype, device, gen) for _ in range(2)]
+    expect = [c.clone() for c in caches]
+    slot_mapping = slot_mapping.to(device=device, dtype=torch.int32)
+    ops.write_kv_cache(key, value, caches[0], caches[1], slot_mapping, backend=backend)
+    reference.write_kv_cache(key, value, expect[0], expect[1], slot_mapping)
+    out, ref = torch.stack(caches), torch.stack(expect)
+    result = _compare(case, dtype, device, out, ref)
+    exact = torch.equal(out, ref)  # a copy must be bit-exact
+    return CaseResult(result.name, result.dtype, 0.0 if exact else float("inf"), result.max_abs_err, 0.0)
+
+
+def run_case(
+    case: AttentionCase,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    backend: str = "triton",
+    seed: int = 0,
+) -> CaseResult:
+    """Run one case on `backend` and compare with the float64 reference on the same inputs."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    if case.kind == "write":
+        return _run_write(case, dtype, device, backend, gen)
+    x = _make_attention_inputs(case, dtype, device, gen)
+    out = _run_attention(case, x, backend, upcast=False)
+    ref = _run_attention(case, x, "reference64", upcast=True)
+    if out.dtype != dtype or out.shape != ref.shape:
+        raise AssertionError(
+            f"{case.name}: got {out.dtype} {tuple(out.shape)}, want {dtype} {tuple(ref.shape)}"
+        )
+    return _compare(case, dtype, device, out, ref)
+
+
+_C = AttentionCase
+# Small shapes for the CPU interpreter: block boundaries (1, 15, 16, 17, 32, 33), odd lengths,
+# GQA with a non-power-of-two group (SmolLM2: 9/3), MHA, shared prefix blocks, split-K.
+INTERPRETER_CASES = (
+    _C("write_gqa", "write", (5, 16, 33), num_heads=9, num_kv_heads=3),
+    _C("write_mha_d80", "write", (7, 17), num_heads=4, num_kv_heads=4, head_dim=80),
+    _C("decode_smollm_split1", "decode", (1, 15, 16, 17, 33, 70), num_heads=9, num_kv_heads=3, num_splits=1),
+    _C("decode_smollm_split3", "decode", (1, 16, 33, 70), num_heads=9, num_kv_heads=3, num_splits=3),
+    _C("decode_auto_splits_shared", "decode", (40, 47, 95), num_heads=8, num_kv_heads=2, shared_blocks=2),
+    _C("decode_mha_d80_bs8", "decode", (9, 24, 31), num_heads=4, num_kv_heads=4, head_dim=80, block_size=8),
+    _C("decode_empty_seq", "decode", (0, 13, 32), num_splits=2),
+    _C("decode_mqa_group16_bs64", "decode", (3, 64, 65, 100), num_heads=16, num_kv_heads=1, block_size=64),
+    _C("decode_d128_many_splits", "decode", (130, 7), num_heads=4, num_kv_heads=1, head_dim=128, num_splits=5),
+    _C("extend_prefill", "extend", (16, 33, 5), q_lens=(16, 33, 5), num_heads=9, num_kv_heads=3),
+    _C("extend_mixed", "extend", (1, 40, 67, 20), q_lens=(1, 7, 40, 1), num_heads=6, num_kv_heads=2),
+    _C("extend_shared_prefix", "extend", (50, 45), q_lens=(3, 13), shared_blocks=2),
+    _C("extend_chunk_d128", "extend", (97,), q_lens=(70,), num_heads=4, num_kv_heads=1, head_dim=128),
+    _C("extend_mha_d80_bs8", "extend", (30, 9), q_lens=(17, 9), num_heads=2, num_kv_heads=2, head_dim=80, block_size=8),
+)  # fmt: skip
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+def main(argv: list[str]) -> int:
+    results = [
+        asdict(run_case(case, dtype, "cpu", backend="triton", seed=i))
+        for i, case in enumerate(INTERPRETER_CASES)
+        for dtype in INTERPRETER_DTYPES
+    ]
+    with open(argv[0], "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
