@@ -8,24 +8,30 @@ token is sampled from p_K. The emitted tokens are then distributed exactly as if
 the target one by one. Greedy rows reduce to exact argmax matching. For proposers without a
 distribution (n-gram) q is a point mass on the drafted token.
 
-Everything is vectorized over the batch on the logits' device; the only Python loop is over
-rows that carry their own seeded generator.
+Everything is vectorized over the batch on the logits' device, with no host sync. Seeded rows
+draw from `rng.hash_uniform` (a function of seed, output position and token only), like the
+non-speculative sampler, so their tokens do not depend on the batch they run in.
 
 Shapes: B = sequences verified, K = max drafts per sequence in the batch, V = vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pagedinfer.engine.sample.rng import hash_uniform
 
 # (target probs at the rejected position [B, V], draft probs there [B, V] or None for a point
 # mass, the rejected draft token [B]) -> the distribution to sample the replacement from [B, V]
 ResidualFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 _TINY = 1e-30  # floor for exponential draws: probs / 0 would turn a zero-probability token into NaN
+# Acceptance uniforms of a seeded row come from a stream keyed by seed ^ salt, independent of the
+# noise that samples tokens at the same output position (keyed by the seed itself).
+_ACCEPT_SALT = 0x5DEECE66D
 
 
 def residual_distribution(
@@ -63,7 +69,8 @@ class RejectionInputs:
     num_draft_tokens: torch.Tensor  # [B] int64 in [0, K]
     is_greedy: torch.Tensor  # [B] bool
     draft_probs: torch.Tensor | None = None  # [B, K, V] float, or None for a point mass
-    generators: Sequence[torch.Generator | None] | None = None  # per row; None: the default
+    seeds: torch.Tensor | None = None  # [B] int64 >= 0 seeded, < 0 unseeded; None: all unseeded
+    positions: torch.Tensor | None = None  # [B] int64 output position of the row's first token
 
     def check(self) -> None:
         """Shape contract between the proposer, the runner and this sampler (internal)."""
@@ -73,8 +80,9 @@ class RejectionInputs:
         assert self.is_greedy.shape == (num_rows,)
         if self.draft_probs is not None:
             assert self.draft_probs.shape == (num_rows, k_plus_1 - 1, self.target_logits.shape[2])
-        if self.generators is not None:
-            assert len(self.generators) == num_rows
+        if self.seeds is not None:
+            assert self.seeds.shape == (num_rows,) and self.positions is not None
+            assert self.positions.shape == (num_rows,)
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,7 @@ class RejectionSampler:
             q_draft = torch.ones_like(p_draft)
         else:
             q_draft = inputs.draft_probs.float().gather(2, draft_ids.unsqueeze(2)).squeeze(2)  # [B, K]
-        uniform = _uniform((num_rows, num_drafts), device, inputs.generators)  # [B, K] in [0, 1)
+        uniform = _uniform((num_rows, num_drafts), device, inputs.seeds, inputs.positions)  # [B, K]
         # u < p / q without dividing: accepts surely when p >= q, never when p == 0.
         is_accepted = torch.where(
             is_greedy.unsqueeze(1), draft_ids == target_argmax[:, :num_drafts], uniform * q_draft < p_draft
@@ -168,32 +176,42 @@ class RejectionSampler:
             dist = torch.where(is_bonus.unsqueeze(1), p_row, residual)
         else:
             dist = p_row
-        sampled = sample_from_probs(dist, inputs.generators)  # [B]
+        positions = None if inputs.positions is None else inputs.positions.to(device) + num_accepted
+        sampled = sample_from_probs(dist, inputs.seeds, positions)  # [B]
         greedy_ids = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
         return torch.where(inputs.is_greedy.to(device), greedy_ids, sampled)
 
 
 def sample_from_probs(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None
+    probs: torch.Tensor, seeds: torch.Tensor | None = None, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One token per row of `probs` [B, V] by the exponential race argmax(p / E), E ~ Exp(1).
 
-    Equivalent to a categorical draw, with no cumulative sums and no host sync.
+    Equivalent to a categorical draw, with no cumulative sums and no host sync. Rows with a seed
+    >= 0 take their noise from hash_uniform(seed, position), exactly as `Sampler.draw` does.
     """
     noise = torch.empty_like(probs, dtype=torch.float32).exponential_()  # [B, V]
-    if generators is not None:
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                noise[row].exponential_(generator=generator)
+    if seeds is not None:
+        seeds = seeds.to(probs.device)
+        u = hash_uniform(seeds.clamp(min=0), positions.to(probs.device), probs.shape[1])  # [B, V]
+        noise = torch.where((seeds >= 0).unsqueeze(1), -torch.log(u), noise)
     return (probs.float() / noise.clamp_(min=_TINY)).argmax(dim=-1)  # [B]
 
 
 def _uniform(
-    shape: tuple[int, int], device: torch.device, generators: Sequence[torch.Generator | None] | None
+    shape: tuple[int, int],
+    device: torch.device,
+    seeds: torch.Tensor | None,
+    positions: torch.Tensor | None,
 ) -> torch.Tensor:
+    """Acceptance uniforms [B, K] in [0, 1); seeded rows are a function of (seed, position)."""
     uniform = torch.rand(shape, device=device)
-    if generators is not None:
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                uniform[row] = torch.rand(shape[1], device=device, generator=generator)
-    return uniform
+    num_rows, num_drafts = shape
+    if seeds is None or num_drafts == 0:
+        return uniform
+    seeds = seeds.to(device)
+    salted = (seeds.clamp(min=0) ^ _ACCEPT_SALT).repeat_interleave(num_drafts)  # [B * K]
+    steps = torch.arange(num_drafts, device=device)  # [K]
+    pos = (positions.to(device).unsqueeze(1) + steps.unsqueeze(0)).reshape(-1)  # [B * K]
+    seeded = hash_uniform(salted, pos, 1).view(num_rows, num_drafts)  # [B, K] in (0, 1)
+    return torch.where((seeds >= 0).unsqueeze(1), seeded, uniform)

@@ -142,10 +142,6 @@ def test_greedy_rows_match_the_argmax_exactly():
         accepted = min(int(first_wrong[row]), int(num_draft[row]))
         assert len(tokens) == accepted + 1
         assert tokens == argmax[row, : accepted + 1].tolist()
-    assert (
-        out.token_ids[torch.arange(num_rows), out.num_tokens - 1]
-        == out.token_ids.gather(1, (out.num_tokens - 1).unsqueeze(1)).squeeze(1)
-    ).all()
 
 
 def test_padding_past_the_emitted_tokens_is_zero_and_no_drafts_means_one_sample():
@@ -166,23 +162,42 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 5, 20, generator=gen)
     draft = torch.randint(0, 20, (3, 4), generator=gen)
+    seeds = torch.tensor([-1, 42, -1])
+    positions = torch.tensor([3, 7, 0])
 
     def run(rows, noise_seed):
         torch.manual_seed(noise_seed)
-        gens = [torch.Generator().manual_seed(100 + r) if r == 1 else None for r in rows]
         return RejectionSampler()(
             RejectionInputs(
                 target_logits=logits[rows],
                 draft_token_ids=draft[rows],
                 num_draft_tokens=torch.full((len(rows),), 4),
                 is_greedy=torch.zeros(len(rows), dtype=torch.bool),
-                generators=gens,
+                seeds=seeds[rows],
+                positions=positions[rows],
             )
         ).to_lists()
 
     alone = run([1], noise_seed=0)[0]
     assert run([0, 1, 2], noise_seed=1)[1] == alone
     assert run([2, 1], noise_seed=2)[1] == alone
+    # Unseeded rows do follow the device RNG.
+    assert any(run([0, 1, 2], noise_seed=s)[0] != run([0, 1, 2], noise_seed=s + 10)[0] for s in range(5))
+
+
+def test_seeded_rows_follow_the_target_distribution():
+    inputs = _batch(with_draft_probs=True, variable_k=True)
+    seeded = RejectionInputs(
+        target_logits=inputs.target_logits,
+        draft_token_ids=inputs.draft_token_ids,
+        num_draft_tokens=inputs.num_draft_tokens,
+        is_greedy=inputs.is_greedy,
+        draft_probs=inputs.draft_probs,
+        seeds=torch.arange(NUM_TRIALS, dtype=torch.int64) * 7919,
+        positions=torch.full((NUM_TRIALS,), 5, dtype=torch.int64),
+    )
+    for position in range(K + 1):
+        assert _position_pvalue(RejectionSampler(), seeded, position) > ALPHA, position
 
 
 def test_residual_distribution_is_normalized_and_falls_back_to_p():
