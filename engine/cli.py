@@ -11,6 +11,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("native-demo", help="exercise the native paged KV-cache core")
     demo.set_defaults(func=_native_demo)
+    from pagedinfer.engine.server.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,225 @@
+"""Every Prometheus collector of the engine and its servers, declared once.
+
+`ServingMetrics` owns one `CollectorRegistry` per server (no process-global registry), so tests
+can run several servers in one process. Request-level series (latency histograms, token
+counters, finish reasons) are recorded by the servers as streams finish; engine-level series
+(queue depths, KV-cache usage, preemptions, speculative decoding) are read from
+`engine.stats()` at scrape time by `_EngineStatsCollector`, which is also how the
+Gateway API Inference Extension names (`vllm:*`, with a colon) are exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedinfer.engine.outputs import RequestOutput
+
+PREFIX = "pagedinfer_"
+
+# Request-level histograms (label: model).
+TTFT = PREFIX + "time_to_first_token_seconds"
+ITL = PREFIX + "inter_token_latency_seconds"
+E2E = PREFIX + "e2e_request_latency_seconds"
+QUEUE_TIME = PREFIX + "request_queue_time_seconds"
+PROMPT_TOKENS_HIST = PREFIX + "request_prompt_tokens"
+GENERATION_TOKENS_HIST = PREFIX + "request_generation_tokens"
+# Counters (exposition names carry _total).
+PROMPT_TOKENS_TOTAL = PREFIX + "prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = PREFIX + "generation_tokens_total"
+REQUESTS_TOTAL = PREFIX + "requests_total"  # label finish_reason
+PREEMPTIONS_TOTAL = PREFIX + "preemptions_total"
+SPEC_DRAFT_TOKENS_TOTAL = PREFIX + "spec_decode_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS_TOTAL = PREFIX + "spec_decode_accepted_tokens_total"
+# Gauges, read from engine.stats() at scrape time.
+NUM_RUNNING = PREFIX + "num_requests_running"
+NUM_WAITING = PREFIX + "num_requests_waiting"
+KV_USAGE = PREFIX + "kv_cache_usage_ratio"
+KV_FRAGMENTATION = PREFIX + "kv_cache_fragmentation_ratio"
+PREFIX_HIT = PREFIX + "prefix_cache_hit_ratio"
+SPEC_ACCEPTANCE = PREFIX + "spec_decode_acceptance_ratio"
+GEN_TPS = PREFIX + "generation_tokens_per_second"
+KV_FREE_BLOCKS = PREFIX + "kv_cache_free_blocks"  # debug: returns to the total once all requests end
+KV_TOTAL_BLOCKS = PREFIX + "kv_cache_total_blocks"
+SERVER_READY = PREFIX + "server_ready"  # 1 once the model is loaded and the server is not draining
+# Gateway API Inference Extension model-server protocol (vLLM's names and label).
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+
+# Every metric family name as exposed (counters with their _total suffix).
+METRIC_NAMES: tuple[str, ...] = (
+    TTFT,
+    ITL,
+    E2E,
+    QUEUE_TIME,
+    PROMPT_TOKENS_HIST,
+    GENERATION_TOKENS_HIST,
+    PROMPT_TOKENS_TOTAL,
+    GENERATION_TOKENS_TOTAL,
+    REQUESTS_TOTAL,
+    PREEMPTIONS_TOTAL,
+    SPEC_DRAFT_TOKENS_TOTAL,
+    SPEC_ACCEPTED_TOKENS_TOTAL,
+    NUM_RUNNING,
+    NUM_WAITING,
+    KV_USAGE,
+    KV_FRAGMENTATION,
+    PREFIX_HIT,
+    SPEC_ACCEPTANCE,
+    GEN_TPS,
+    KV_FREE_BLOCKS,
+    KV_TOTAL_BLOCKS,
+    SERVER_READY,
+    VLLM_WAITING,
+    VLLM_RUNNING,
+    VLLM_KV_USAGE,
+)
+VLLM_METRIC_NAMES: tuple[str, ...] = (VLLM_WAITING, VLLM_RUNNING, VLLM_KV_USAGE)  # off with --no-vllm-metrics
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75)
+_LATENCY_BUCKETS += (1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075)
+_ITL_BUCKETS += (0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# engine.stats() key -> gauge name. Missing keys are exported as 0 only for the core set.
+_STAT_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("num_running", NUM_RUNNING, "Requests in the running batch."),
+    ("num_waiting", NUM_WAITING, "Requests waiting to be scheduled."),
+    ("kv_cache_usage", KV_USAGE, "Fraction of KV-cache blocks in use (0..1)."),
+    ("fragmentation", KV_FRAGMENTATION, "Fraction of allocated KV slots holding no token (0..1)."),
+    ("prefix_cache_hit_rate", PREFIX_HIT, "Prefix-cache hit ratio over prompt tokens (0..1)."),
+    ("spec_decode_acceptance_rate", SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1)."),
+    ("generation_tokens_per_second", GEN_TPS, "Recent generation throughput of the engine."),
+    ("num_free_blocks", KV_FREE_BLOCKS, "Free KV-cache blocks (debug: leaks show here)."),
+    ("num_total_blocks", KV_TOTAL_BLOCKS, "KV-cache blocks in the pool."),
+)
+# engine.stats() cumulative key -> counter name.
+_STAT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("num_preemptions_total", PREEMPTIONS_TOTAL, "Requests preempted to free KV-cache blocks."),
+    ("spec_decode_num_draft_tokens", SPEC_DRAFT_TOKENS_TOTAL, "Draft tokens proposed."),
+    ("spec_decode_num_accepted_tokens", SPEC_ACCEPTED_TOKENS_TOTAL, "Draft tokens accepted."),
+)
+
+StatsSource = Callable[[], Mapping[str, Any] | None]
+
+
+def _counter_family(name: str) -> str:
+    return name.removesuffix("_total")
+
+
+class _EngineStatsCollector(Collector):
+    """Scrape-time view of `engine.stats()`: gauges, cumulative counters, vllm:* aliases."""
+
+    def __init__(self, model: str, stats: StatsSource, is_ready: Callable[[], bool], vllm_names: bool):
+        self._model = model
+        self._stats = stats
+        self._is_ready = is_ready
+        self._vllm_names = vllm_names
+
+    def describe(self) -> list[Metric]:
+        return list(self._families({}))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._stats() or {})
+
+    def _families(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
+        labels = [self._model]
+        for key, name, doc in _STAT_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            family.add_metric(labels, float(stats.get(key) or 0.0))
+            yield family
+        for key, name, doc in _STAT_COUNTERS:
+            family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
+            family.add_metric(labels, float(stats.get(key) or 0.0))
+            yield family
+        ready = GaugeMetricFamily(
+            SERVER_READY, "1 when serving, 0 while loading or draining.", labels=["model"]
+        )
+        ready.add_metric(labels, 1.0 if self._is_ready() else 0.0)
+        yield ready
+        if self._vllm_names:
+            yield from self._vllm_families(stats)
+
+    def _vllm_families(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
+        aliases = (
+            (VLLM_WAITING, "num_waiting", "Requests waiting to be processed."),
+            (VLLM_RUNNING, "num_running", "Requests currently running."),
+            (VLLM_KV_USAGE, "kv_cache_usage", "KV-cache usage; 1 means 100 percent."),
+        )
+        for name, key, doc in aliases:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(stats.get(key) or 0.0))
+            yield family
+
+
+class ServingMetrics:
+    """The collectors of one server process, in their own registry.
+
+    Call `observe_step_gap` for each streamed output after the first and `observe_finished`
+    once per request (with the final output, or None when the client went away).
+    """
+
+    def __init__(self, model: str, *, enable_vllm_metrics: bool = True) -> None:
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._enable_vllm_metrics = enable_vllm_metrics
+        r, labels = self.registry, ["model"]
+        self.ttft = Histogram(
+            TTFT, "Arrival to first output token.", labels, registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            ITL, "Gap between streamed outputs, per token.", labels, registry=r, buckets=_ITL_BUCKETS
+        )
+        self.e2e = Histogram(E2E, "Arrival to finish.", labels, registry=r, buckets=_LATENCY_BUCKETS)
+        self.queue = Histogram(
+            QUEUE_TIME, "Arrival to first scheduled.", labels, registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.prompt_hist = Histogram(
+            PROMPT_TOKENS_HIST, "Prompt tokens per request.", labels, registry=r, buckets=_TOKEN_BUCKETS
+        )
+        self.gen_hist = Histogram(
+            GENERATION_TOKENS_HIST,
+            "Generated tokens per request.",
+            labels,
+            registry=r,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.prompt_total = Counter(
+            _counter_family(PROMPT_TOKENS_TOTAL), "Prompt tokens.", labels, registry=r
+        )
+        self.gen_total = Counter(
+            _counter_family(GENERATION_TOKENS_TOTAL), "Generated tokens.", labels, registry=r
+        )
+        self.requests = Counter(
+            _counter_family(REQUESTS_TOTAL), "Finished requests.", ["model", "finish_reason"], registry=r
+        )
+
+    def attach_engine(self, stats: StatsSource, is_ready: Callable[[], bool]) -> None:
+        """Export the engine's scrape-time series; call once, before serving /metrics."""
+        self.registry.register(_EngineStatsCollector(self.model, stats, is_ready, self._enable_vllm_metrics))
+
+    def observe_step_gap(self, seconds: float, num_new_tokens: int) -> None:
+        if num_new_tokens > 0:
+            self.itl.labels(self.model).observe(seconds / num_new_tokens)
+
+    def observe_finished(self, final: RequestOutput | None, finish_reason: str) -> None:
+        model = self.model
+        self.requests.labels(model, finish_reason).inc()
+        if final is None:
+            return
+        if final.usage is not None:
+            self.prompt_total.labels(model).inc(final.usage.prompt_tokens)
+            self.gen_total.labels(model).inc(final.usage.completion_tokens)
+            self.prompt_hist.labels(model).observe(final.usage.prompt_tokens)
+            self.gen_hist.labels(model).observe(final.usage.completion_tokens)
+        if final.timing is not None:
+            self.queue.labels(model).observe(final.timing.queue_time)
+            self.e2e.labels(model).observe(final.timing.e2e_latency)
+            if final.usage is None or final.usage.completion_tokens > 0:
+                self.ttft.labels(model).observe(final.timing.time_to_first_token)

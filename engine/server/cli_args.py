@@ -1,0 +1,124 @@
+"""The `pagedinfer serve` flags (a contract with the operator and Helm charts) -> configs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from pagedinfer.engine.config import (
+    DEFAULT_MODEL_URI,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API, WebSocket, page) and gRPC")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL_URI, help="folder, .gguf, builtin://smollm2-135m or hf://org/name"
+    )
+    p.add_argument("--served-model-name", default=None, help="name clients send as `model`")
+    p.add_argument("--revision", default=None, help="hf:// revision")
+    p.add_argument("--host", default=ServerConfig.host)
+    p.add_argument("--http-port", type=int, default=ServerConfig.http_port)
+    p.add_argument("--grpc-port", type=int, default=ServerConfig.grpc_port)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    eng.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    eng.add_argument("--num-blocks", type=int, default=None)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    eng.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    eng.add_argument(
+        "--speculative-model", default=None, help="draft model URI (with --speculative-method draft)"
+    )
+    eng.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens)
+    eng.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests)
+    eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    srv = p.add_argument_group("server")
+    srv.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` (or env PAGEDINFER_API_KEY)"
+    )
+    srv.add_argument(
+        "--allowed-origins", default="*", help="comma-separated WebSocket Origin allow-list, * for any"
+    )
+    srv.add_argument(
+        "--drain-timeout", type=float, default=ServerConfig.drain_timeout_seconds, help="seconds"
+    )
+    srv.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
+    srv.add_argument("--max-ws-message-bytes", type=int, default=ServerConfig.max_ws_message_bytes)
+    srv.add_argument("--enable-vllm-metrics", action=argparse.BooleanOptionalAction, default=True)
+    p.set_defaults(func=run_serve_command)
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size must be >= 1")
+    if args.speculative_method == "draft" and not args.speculative_model:
+        raise SystemExit("--speculative-method draft needs --speculative-model")
+    cache = CacheConfig(
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    speculative = SpeculativeConfig(
+        method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.speculative_model,
+    )
+    device = DeviceConfig(device=args.device, dtype=args.dtype, enable_cuda_graphs=not args.enforce_eager)
+    config = EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        revision=args.revision,
+        seed=args.seed,
+        cache=cache,
+        scheduler=scheduler,
+        speculative=speculative,
+        device=device,
+    )
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    if "tensor_parallel_size" in names:
+        config = dataclasses.replace(config, tensor_parallel_size=args.tensor_parallel_size)
+    elif args.tensor_parallel_size != 1:
+        raise SystemExit("--tensor-parallel-size > 1 is not supported by this engine build")
+    return config
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()) or ("*",)
+    return ServerConfig(
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key or ServerConfig.api_key_from_env(),
+        allowed_origins=origins,
+        max_ws_message_bytes=args.max_ws_message_bytes,
+        max_request_bytes=args.max_request_bytes,
+        drain_timeout_seconds=args.drain_timeout,
+        enable_vllm_metrics=args.enable_vllm_metrics,
+    )
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    from pagedinfer.engine.server.serve import run_server  # heavy imports only when serving
+
+    return run_server(engine_config_from_args(args), server_config_from_args(args))

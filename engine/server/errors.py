@@ -1,0 +1,66 @@
+"""One classification of request errors, shared by the gRPC, HTTP and WebSocket layers."""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.server.engine_handle import NotServingError
+from pagedinfer.engine.server.generation import ModelNotFoundError
+
+
+class ErrorKind(str, enum.Enum):
+    INVALID = "invalid_request_error"  # HTTP 400, gRPC INVALID_ARGUMENT
+    NOT_FOUND = "not_found_error"  # HTTP 404, gRPC NOT_FOUND
+    UNAUTHENTICATED = "authentication_error"  # HTTP 401, gRPC UNAUTHENTICATED
+    OVERLOADED = "overloaded_error"  # HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED
+    UNAVAILABLE = "service_unavailable_error"  # HTTP 503 + Retry-After, gRPC UNAVAILABLE
+    TOO_LARGE = "request_too_large"  # HTTP 413, gRPC RESOURCE_EXHAUSTED
+    INTERNAL = "internal_error"  # HTTP 500, gRPC INTERNAL
+
+
+HTTP_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.UNAUTHENTICATED: 401,
+    ErrorKind.OVERLOADED: 429,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.INTERNAL: 500,
+}
+
+
+@dataclass(frozen=True)
+class ClassifiedError:
+    kind: ErrorKind
+    message: str
+    retry_after_seconds: int | None = None
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.kind]
+
+
+@functools.cache
+def overload_error_types() -> tuple[type[BaseException], ...]:
+    """The engine's overload error, looked up lazily (async_engine imports torch)."""
+    try:
+        from pagedinfer.engine.async_engine import EngineOverloadedError
+    except ImportError:
+        return ()
+    return (EngineOverloadedError,)
+
+
+def classify(exc: BaseException) -> ClassifiedError:
+    if isinstance(exc, ModelNotFoundError):
+        return ClassifiedError(ErrorKind.NOT_FOUND, str(exc))
+    if isinstance(exc, InvalidRequestError):
+        return ClassifiedError(ErrorKind.INVALID, str(exc))
+    if isinstance(exc, NotServingError):
+        return ClassifiedError(ErrorKind.UNAVAILABLE, str(exc), exc.retry_after_seconds)
+    if isinstance(exc, overload_error_types()):
+        retry = getattr(exc, "retry_after_seconds", None) or 1
+        return ClassifiedError(ErrorKind.OVERLOADED, str(exc) or "server overloaded", int(retry))
+    return ClassifiedError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,238 @@
+"""What every ingress path (gRPC, OpenAI HTTP, WebSocket) does with a generation request.
+
+The protocol layers only translate: they build a `GenerationRequest`, call
+`GenerationService.open`, and relay `RequestOutput`s. Errors the engine raises before
+streaming (bad input, overload) surface from `open`, so HTTP can still answer 400/429
+instead of a 200 stream. Leaving the stream early (client gone, cancel, deadline) aborts the
+engine request, which frees its KV-cache blocks; the abort runs in its own task so that a
+cancelled caller cannot skip it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagedinfer.engine.metrics import ServingMetrics
+from pagedinfer.engine.outputs import RequestOutput
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.server.engine_handle import EngineHandle
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """Exactly one of: text, token ids, chat messages."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: PromptInput
+    sampling_params: SamplingParams
+    priority: int = 0
+    request_id: str | None = None
+    model: str | None = None  # None or "": the served model
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason_value(reason: Any) -> str:
+    return getattr(reason, "value", str(reason))
+
+
+class GenerationStream:
+    """An open engine request: iterate for `RequestOutput`s (the first one is already here)."""
+
+    def __init__(
+        self, service: GenerationService, engine: Any, request_id: str, first: RequestOutput, gen: Any
+    ):
+        self.request_id = request_id
+        self._service = service
+        self._engine = engine
+        self._gen = gen
+        self._pending: RequestOutput | None = first
+        self._last_time = time.monotonic()
+        self._finish_reasons: dict[int, str] = {}
+        self._final: RequestOutput | None = None
+        self._closed = False
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+        elif self._closed or self._final is not None:
+            raise StopAsyncIteration
+        else:
+            try:
+                out = await self._gen.__anext__()
+            except StopAsyncIteration:
+                self._finish("abort")
+                raise
+            now = time.monotonic()
+            num_new = sum(len(d.token_ids) for d in out.deltas)
+            self._service.metrics.observe_step_gap(now - self._last_time, num_new)
+            self._last_time = now
+        for delta in out.deltas:
+            if delta.finish_reason is not None:
+                self._finish_reasons[delta.index] = finish_reason_value(delta.finish_reason)
+        if out.finished:
+            self._final = out
+            self._finish(self._finish_reasons.get(0, "stop"))
+        return out
+
+    def _finish(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._service.metrics.observe_finished(self._final, reason)
+        self._service.handle.request_finished()
+
+    async def aclose(self) -> None:
+        """Abort the engine request unless it finished; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def done() -> None:
+            self._service.metrics.observe_finished(None, "abort")
+            self._service.handle.request_finished()
+
+        self._service.spawn_abort(self._engine, self.request_id, self._gen, done)
+
+
+class GenerationService:
+    """Validates requests, opens engine streams, records metrics, aborts abandoned requests."""
+
+    def __init__(self, handle: EngineHandle, metrics: ServingMetrics) -> None:
+        self.handle = handle
+        self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def served_model_name(self) -> str:
+        return self.metrics.model
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.served_model_name:
+            raise ModelNotFoundError(
+                f"The model '{model}' does not exist; this server serves '{self.served_model_name}'"
+            )
+
+    def prompt_token_ids(self, engine: Any, prompt: PromptInput) -> list[int]:
+        """Tokenize text or render chat messages with the model's template."""
+        given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of: prompt text, prompt token ids, chat messages")
+        if prompt.token_ids is not None:
+            return self._check_token_ids(engine, prompt.token_ids)
+        if prompt.messages is not None:
+            return self._render_chat(engine, prompt.messages)
+        assert prompt.text is not None
+        if not prompt.text:
+            raise InvalidRequestError("prompt must not be empty")
+        return list(engine.tokenizer.encode(prompt.text))
+
+    def _check_token_ids(self, engine: Any, token_ids: Sequence[int]) -> list[int]:
+        vocab_size = engine.model_config.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("prompt token ids must not be empty")
+        bad = [t for t in token_ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} out of range [0, {vocab_size})")
+        return [int(t) for t in token_ids]
+
+    def _render_chat(self, engine: Any, messages: Sequence[ChatMessage]) -> list[int]:
+        if not messages:
+            raise InvalidRequestError("messages must not be empty")
+        for m in messages:
+            if m.role not in _ROLES:
+                raise InvalidRequestError(
+                    f"unknown message role '{m.role}' (expected one of {', '.join(_ROLES)})"
+                )
+        rendered = engine.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
+        )
+        if isinstance(rendered, str):
+            return list(engine.tokenizer.encode(rendered))
+        return list(rendered)
+
+    def _check_length(self, engine: Any, num_prompt_tokens: int, params: SamplingParams) -> None:
+        max_len = int(engine.max_model_len)
+        if num_prompt_tokens >= max_len:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens; this model's context is {max_len} tokens "
+                "(prompt plus at least one generated token must fit)"
+            )
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"max_tokens ({params.max_tokens}) plus the prompt ({num_prompt_tokens} tokens) exceeds "
+                f"the context length {max_len}; lower max_tokens to at most {max_len - num_prompt_tokens}"
+            )
+
+    async def open(self, request: GenerationRequest) -> GenerationStream:
+        """Start a generation; raises InvalidRequestError, NotServingError or the engine's overload error."""
+        engine = self.handle.require_engine()
+        self.check_model(request.model)
+        token_ids = self.prompt_token_ids(engine, request.prompt)
+        self._check_length(engine, len(token_ids), request.sampling_params)
+        request_id = request.request_id or new_request_id()
+        gen = engine.generate(
+            prompt_token_ids=token_ids,
+            sampling_params=request.sampling_params,
+            priority=request.priority,
+            request_id=request_id,
+        )
+        self.handle.request_started()
+        try:
+            first = await gen.__anext__()
+        except BaseException:
+            self.handle.request_finished()
+            self.spawn_abort(engine, request_id, gen)
+            raise
+        return GenerationStream(self, engine, request_id, first, gen)
+
+    def spawn_abort(
+        self, engine: Any, request_id: str, gen: Any, on_done: Callable[[], None] | None = None
+    ) -> None:
+        """Abort in a task of its own: a cancelled caller (anyio cancel scope) cannot interrupt it."""
+        task = asyncio.get_running_loop().create_task(self._abort(engine, request_id, gen, on_done))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(
+        self, engine: Any, request_id: str, gen: Any, on_done: Callable[[], None] | None
+    ) -> None:
+        try:
+            await engine.abort(request_id)
+            await gen.aclose()
+        finally:
+            if on_done is not None:
+                on_done()
+
+    async def wait_background(self) -> None:
+        """Let pending aborts finish (used by shutdown and tests)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

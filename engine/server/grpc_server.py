@@ -1,0 +1,271 @@
+"""gRPC (grpc.aio): InferenceService, grpc.health.v1.Health and server reflection.
+
+Cancelling a Generate call or letting its deadline pass cancels the handler; the stream's
+`aclose` then aborts the engine request, which frees its KV-cache blocks. Health reports
+NOT_SERVING until the model is loaded and again while draining.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedinfer.engine.config import ServerConfig
+from pagedinfer.engine.outputs import FinishReason, RequestOutput
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.server.auth import ApiKeyAuth, bearer_token
+from pagedinfer.engine.server.errors import ErrorKind, classify
+from pagedinfer.engine.server.generation import (
+    ChatMessage,
+    GenerationRequest,
+    GenerationService,
+    PromptInput,
+    finish_reason_value,
+)
+from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
+from pagedinfer.engine.server.proto_gen import inference_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("pagedinfer.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+DEFAULT_MAX_TOKENS = 16
+
+_STATUS = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_FINISH = {
+    FinishReason.STOP.value: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH.value: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT.value: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR.value: pb.FINISH_REASON_ERROR,
+}
+_OPTIONAL_FIELDS = (
+    "n",
+    "min_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    kwargs: dict[str, Any] = {f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)}
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    return SamplingParams(
+        max_tokens=max_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        **kwargs,
+    )
+
+
+def prompt_from_pb(request: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:
+    which = request.WhichOneof("input")
+    if which in ("prompt", "text"):
+        return PromptInput(text=getattr(request, which))
+    if which == "prompt_token_ids":
+        return PromptInput(token_ids=tuple(request.prompt_token_ids.ids))
+    if which == "chat":
+        return PromptInput(messages=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages))
+    raise InvalidRequestError("set one of: prompt, prompt_token_ids, chat")
+
+
+def response_to_pb(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id, finished=out.finished)
+    for d in out.deltas:
+        delta = msg.deltas.add(index=d.index, text=d.text, token_ids=d.token_ids, error=d.error or "")
+        if d.finish_reason is not None:
+            delta.finish_reason = _FINISH.get(finish_reason_value(d.finish_reason), pb.FINISH_REASON_STOP)
+        if d.stop_reason is not None:
+            delta.stop_reason = str(d.stop_reason)
+        for lp in d.logprobs or ():
+            pos = delta.logprobs.add()
+            pos.sampled.CopyFrom(
+                pb.TokenLogprob(
+                    token_id=lp.sampled.token_id, token=lp.sampled.token, logprob=lp.sampled.logprob
+                )
+            )
+            for t in lp.top:
+                pos.top.add(token_id=t.token_id, token=t.token, logprob=t.logprob)
+    if out.usage is not None:
+        u = out.usage
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                total_tokens=u.total_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+            )
+        )
+    if out.timing is not None:
+        t = out.timing
+        msg.timing.CopyFrom(
+            pb.Timing(
+                queue_time_seconds=t.queue_time,
+                time_to_first_token_seconds=t.time_to_first_token,
+                decode_time_seconds=t.decode_time,
+                e2e_latency_seconds=t.e2e_latency,
+                tokens_per_second=t.tokens_per_second,
+            )
+        )
+    return msg
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    err = classify(exc)
+    if err.kind is ErrorKind.INTERNAL:
+        logger.exception("internal error in gRPC handler", exc_info=exc)
+    if err.retry_after_seconds:
+        context.set_trailing_metadata((("retry-after", str(err.retry_after_seconds)),))
+    await context.abort(_STATUS[err.kind], err.message)
+
+
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            gen_request = GenerationRequest(
+                prompt=prompt_from_pb(request),
+                sampling_params=sampling_from_pb(request.sampling),
+                priority=request.priority,
+                request_id=request.request_id or None,
+                model=request.model or None,
+            )
+            stream = await self.service.open(gen_request)
+        except Exception as e:  # mapped to a status code; never a crash
+            await _abort_with(context, e)
+            return
+        try:
+            async for out in stream:
+                yield response_to_pb(out)
+        finally:
+            await stream.aclose()
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            engine = self.service.handle.require_engine()
+            ids = self.service.prompt_token_ids(engine, prompt_from_pb(request))
+        except Exception as e:
+            await _abort_with(context, e)
+            raise AssertionError("unreachable") from e  # context.abort raises
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=int(engine.max_model_len))
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        try:
+            engine = self.service.handle.require_engine()
+        except Exception as e:
+            await _abort_with(context, e)
+            raise AssertionError("unreachable") from e
+        mc, cfg = engine.model_config, self.service.handle.config
+        return pb.ModelInfo(
+            served_model_name=self.service.served_model_name,
+            model=cfg.model,
+            architecture=mc.architecture,
+            vocab_size=mc.vocab_size,
+            max_model_len=int(engine.max_model_len),
+            num_layers=mc.num_layers,
+            hidden_size=mc.hidden_size,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            device=str(getattr(engine, "device", cfg.device.device)),
+            dtype=str(getattr(engine, "dtype", cfg.device.dtype)),
+        )
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <key>` metadata on InferenceService methods."""
+
+    def __init__(self, auth: ApiKeyAuth) -> None:
+        self.auth = auth
+
+    async def intercept_service(
+        self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        if not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return await continuation(details)  # health and reflection stay open
+        metadata = dict(details.invocation_metadata or ())
+        if self.auth.check_token(bearer_token(metadata.get("authorization"))):
+            return await continuation(details)
+        handler = await continuation(details)
+        return _deny(handler)
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = "missing or invalid API key (metadata authorization: Bearer ...)"
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    des, ser = handler.request_deserializer, handler.response_serializer
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=des, response_serializer=ser)
+    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=des, response_serializer=ser)
+
+
+class GrpcServer:
+    """The gRPC side of one server process."""
+
+    def __init__(self, service: GenerationService, config: ServerConfig, auth: ApiKeyAuth) -> None:
+        options = [
+            ("grpc.max_receive_message_length", config.max_request_bytes),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),
+        ]
+        interceptors = [_AuthInterceptor(auth)] if auth.enabled else []
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(service), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {config.host}:{config.grpc_port}")
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_seconds: float) -> None:
+        await self.server.stop(grace_seconds)

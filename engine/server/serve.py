@@ -1,0 +1,138 @@
+"""`pagedinfer serve`: one process, HTTP (OpenAI API, WebSocket, page, probes, metrics) + gRPC.
+
+Order of events: HTTP and gRPC bind first (probes answer, /startup shows the loading phase,
+gRPC health says NOT_SERVING), the engine loads in the background, then everything turns
+ready. SIGTERM/SIGINT: readiness goes false, new requests get 503 / UNAVAILABLE, in-flight
+requests finish (bounded by --drain-timeout), the servers stop, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from pagedinfer.engine.config import EngineConfig, ServerConfig
+from pagedinfer.engine.metrics import ServingMetrics
+from pagedinfer.engine.server.auth import ApiKeyAuth
+from pagedinfer.engine.server.engine_handle import EngineHandle, EngineLoader, default_loader
+from pagedinfer.engine.server.generation import GenerationService
+from pagedinfer.engine.server.grpc_server import GrpcServer
+from pagedinfer.engine.server.http_server import build_app
+
+logger = logging.getLogger("pagedinfer.server")
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The name clients send as `model`: --served-model-name, else the model URI's last part."""
+    if config.served_model_name:
+        return config.served_model_name
+    return config.model.rstrip("/").split("://")[-1].split("/")[-1] or config.model
+
+
+def describe_urls(config: ServerConfig, http_port: int, grpc_port: int) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    http = f"http://{host}:{http_port}"
+    return (
+        f"serving: openai={http}/v1 page={http}/ ws=ws://{host}:{http_port}/v1/ws metrics={http}/metrics "
+        f"health={http}/health ready={http}/ready startup={http}/startup grpc={host}:{grpc_port} "
+        f"(bound to {config.host or '0.0.0.0'})"
+    )
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve` owns SIGTERM and drains first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class ServerProcess:
+    """Everything one `pagedinfer serve` runs; `run()` returns when it has shut down."""
+
+    engine_config: EngineConfig
+    server_config: ServerConfig
+    loader: EngineLoader = default_loader
+
+    def __post_init__(self) -> None:
+        name = served_model_name(self.engine_config)
+        self.handle = EngineHandle(self.engine_config, self.loader)
+        self.metrics = ServingMetrics(name, enable_vllm_metrics=self.server_config.enable_vllm_metrics)
+        self.metrics.attach_engine(self.handle.stats, lambda: self.handle.is_ready)
+        self.service = GenerationService(self.handle, self.metrics)
+        auth = ApiKeyAuth(self.server_config.api_key)
+        self.app = build_app(self.service, self.server_config, auth)
+        self.grpc = GrpcServer(self.service, self.server_config, auth)
+        self.stop_requested = asyncio.Event()
+
+    def _uvicorn(self) -> _Uvicorn:
+        cfg = self.server_config
+        config = uvicorn.Config(
+            self.app,
+            host=cfg.host,
+            port=cfg.http_port,
+            ws_max_size=max(cfg.max_ws_message_bytes * 2, 1 << 16),  # we answer oversize frames ourselves
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        return _Uvicorn(config)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop_requested.set)
+        http = self._uvicorn()
+        http_task = loop.create_task(http.serve(), name="http")
+        while not http.started and not http_task.done():
+            await asyncio.sleep(0.02)
+        if http_task.done():
+            http_task.result()  # bind failure: raise it
+            return 1
+        await self.grpc.start()
+        self.handle.on_ready(lambda: self.grpc.set_serving(True))
+        logger.info(describe_urls(self.server_config, self.server_config.http_port, self.grpc.port))
+        self.handle.start_loading()
+        progress = loop.create_task(self._log_progress())
+        await self.stop_requested.wait()
+        progress.cancel()
+        await self.shutdown(http, http_task)
+        return 0
+
+    async def shutdown(self, http: _Uvicorn, http_task: asyncio.Task) -> None:
+        logger.info("shutting down: draining %d in-flight requests", self.handle.num_in_flight)
+        await self.grpc.set_serving(False)
+        drained = await self.handle.drain_and_shutdown(self.server_config.drain_timeout_seconds)
+        await self.service.wait_background()
+        await self.grpc.stop(grace_seconds=1.0)
+        http.should_exit = True
+        await http_task
+        logger.info("shut down (%s)", "drained" if drained else "drain timed out")
+
+    async def _log_progress(self) -> None:
+        last = None
+        while True:
+            report = self.handle.startup_report()
+            if report.phase != last:
+                logger.info("startup: %s (%.1f s)", report.phase, report.elapsed_seconds)
+                last = report.phase
+            if report.phase in ("ready", "failed"):
+                return
+            await asyncio.sleep(0.25)
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> int:  # the gRPC server and events bind to the loop asyncio.run makes
+        return await ServerProcess(engine_config, server_config).run()
+
+    return asyncio.run(main())
