@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram, draft model), the controller the engine calls."""

@@ -1,0 +1,59 @@
+"""What a draft proposer is: drafts up to K tokens for many sequences at once.
+
+A proposer sees every known token of a sequence (prompt + accepted outputs; the last one is
+not yet in the target's KV cache) and returns drafts that the target verifies next step. A
+proposer with a distribution (a draft model) also returns q, processed with the sequence's
+sampling parameters exactly like the target's p; one without (n-gram) returns None: q is then a
+point mass on each drafted token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagedinfer.engine.core.scheduler_output import SamplingRow
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence to draft for: its tokens live in `row` (prompt_token_ids + output_token_ids)."""
+
+    row: SamplingRow
+    max_draft_tokens: int  # >= 1; already capped by max_tokens and the context length
+
+    @property
+    def seq_id(self) -> int:
+        return self.row.seq_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.row.prompt_token_ids) + len(self.row.output_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return [*self.row.prompt_token_ids, *self.row.output_token_ids]
+
+
+@dataclass
+class DraftProposals:
+    """Drafts for each request, in request order; a sequence may get fewer than asked, or none."""
+
+    token_ids: list[list[int]]
+    # [B, K, V] fp32 draft distributions (row b valid for its first len(token_ids[b]) positions),
+    # or None for a point mass on every drafted token.
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """Drafts tokens for a batch of sequences. Implementations: NgramProposer, DraftModelProposer."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
+        """Drafts for every request (all at once: one batched pass where there is a model)."""
+        ...
+
+    def free(self, seq_id: int) -> None:
+        """Forget a sequence (finished, aborted or preempted); unknown ids are ignored."""
+        ...
