@@ -1,0 +1,354 @@
+"""Token-budgeted continuous batching with priorities, aging, chunked prefill and preemption.
+
+There are no prefill/decode phases: each step every scheduled sequence's computed tokens
+catch up with its known tokens (prompt + outputs + drafts) as far as the token budget allows.
+Running sequences go first (highest priority, earliest admitted first), so decodes never stall
+behind a long prompt; waiting sequences are admitted after them in (aged priority, preempted
+first, arrival) order. CPU-only bookkeeping: no torch here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pagedinfer.engine.config import SchedulerConfig
+from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    SampledTokens,
+    SamplingRow,
+    ScheduledSequence,
+    SchedulerOutput,
+    SequenceUpdate,
+)
+from pagedinfer.engine.outputs import FinishReason
+from pagedinfer.engine.request import Request, RequestStatus
+from pagedinfer.engine.stop_checker import check_token_stop
+
+
+class Scheduler:
+    """Decides, every step, which sequences compute which tokens; owns their KV blocks."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._by_request_id: dict[str, list[Request]] = {}
+        self._by_seq_id: dict[int, Request] = {}
+        self._admit_counter = 0
+        self._finished: list[Request] = []  # finished outside update(): errors, aborts
+        self.num_preemptions_total = 0
+        self.num_preemptions_step = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_sequence(self, seq_id: int) -> Request | None:
+        return self._by_seq_id.get(seq_id)
+
+    def add_request(self, leader: Request, children: list[Request] = ()) -> None:
+        """Queue a request's leader; `children` (n > 1) are forked from it after its prompt."""
+        leader.pending_children = list(children)
+        for child in children:
+            child.status = RequestStatus.PENDING_FORK
+        group = [leader, *children]
+        self._by_request_id[leader.request_id] = group
+        for seq in group:
+            self._by_seq_id[seq.seq_id] = seq
+        leader.status = RequestStatus.WAITING
+        self.waiting.append(leader)
+
+    def abort_request(self, request_id: str) -> list[Request]:
+        """Finish every sequence of a request now (blocks freed); returns those that were live."""
+        aborted = []
+        for seq in self._by_request_id.get(request_id, []):
+            if not seq.is_finished:
+                self.finish_sequence(seq, FinishReason.ABORT)
+                aborted.append(seq)
+        return aborted
+
+    def finish_sequence(
+        self,
+        seq: Request,
+        reason: FinishReason,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Finish one sequence and free its blocks (used for aborts, errors and stop strings)."""
+        if seq.is_finished:
+            return
+        if seq.status is RequestStatus.RUNNING:
+            self.kv.free(seq.seq_id)
+            self.running.remove(seq)
+        elif seq.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        seq.status = RequestStatus.FINISHED
+        seq.finish_reason, seq.stop_reason, seq.error = reason, stop_reason, error
+        seq.finish_time = self.clock()
+        for child in seq.pending_children:
+            # Children never forked share the leader's fate (they have no prompt KV of their own).
+            self.finish_sequence(child, reason, stop_reason, error)
+        seq.pending_children = []
+        self._forget_if_done(seq.request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        group = self._by_request_id.get(request_id, [])
+        if all(s.is_finished for s in group):
+            for s in group:
+                self._by_seq_id.pop(s.seq_id, None)
+            self._by_request_id.pop(request_id, None)
+
+    def take_finished(self) -> list[Request]:
+        """Sequences finished outside update() since the last call (aborts, errors)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    # ---- schedule -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Build one step's batch under the token budget and the sequence cap."""
+        self.num_preemptions_step = 0
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[int] = []
+        self._preempt_for_priority(preempted)
+        budget = self._schedule_running(budget, scheduled, copies, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        layout = None
+        if scheduled:
+            layout = self.kv.build_batch(
+                [s.seq_id for s in scheduled],
+                [s.num_computed_tokens for s in scheduled],
+                [s.num_new_tokens for s in scheduled],
+            )
+        return SchedulerOutput(scheduled, layout, copies, preempted)
+
+    def _num_new_tokens(self, seq: Request, budget: int) -> int:
+        remaining = seq.num_tokens_with_spec - seq.num_computed_tokens
+        # Never compute past the context: drafts beyond max_model_len are dropped.
+        remaining = min(remaining, self.max_model_len - seq.num_computed_tokens)
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return max(min(remaining, budget), 0)
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: list[ScheduledSequence],
+        copies: list[tuple[int, int]],
+        preempted: list[int],
+    ) -> int:
+        self.running.sort(key=lambda r: (-r.priority, r.admit_order))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._reserve_slots(seq, num_new, copies, preempted):
+                continue  # `seq` itself left the running list
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _reserve_slots(
+        self, seq: Request, num_new: int, copies: list[tuple[int, int]], preempted: list[int]
+    ) -> bool:
+        """Slots for the tokens `seq` computes this step; preempts from the tail if needed."""
+        kv_tokens = self.kv.num_tokens(seq.seq_id)
+        new_ids = seq.token_ids_range(kv_tokens, seq.num_computed_tokens + num_new)
+        while True:
+            result = self.kv.append(seq.seq_id, new_ids)
+            if result is not None:
+                copies.extend(result)
+                return True
+            victim = self.running[-1]
+            if victim is seq:
+                if len(self.running) == 1:
+                    self.finish_sequence(
+                        seq, FinishReason.ERROR, error="sequence does not fit in the KV cache"
+                    )
+                    self._finished.append(seq)
+                else:
+                    self._preempt(seq, preempted)
+                return False
+            self._preempt(victim, preempted)
+
+    def _preempt(self, seq: Request, preempted: list[int]) -> None:
+        """Recompute-style preemption: free blocks, requeue at the front of its class."""
+        self.kv.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        seq.num_preemptions += 1
+        seq.status = RequestStatus.PREEMPTED
+        self.waiting.append(seq)
+        preempted.append(seq.seq_id)
+        self.num_preemptions_total += 1
+        self.num_preemptions_step += 1
+
+    def _preempt_for_priority(self, preempted: list[int]) -> None:
+        """Make room for a waiting request of strictly higher (base) priority than running ones."""
+        if not self.waiting or not self.running:
+            return
+        head = min(self.waiting, key=self._waiting_key(self.clock()))
+        needed = self.kv.blocks_for_tokens(head.num_tokens) + self.kv.watermark_blocks
+        while self.running and (
+            needed > self.kv.num_free_blocks or len(self.running) >= self.config.max_num_seqs
+        ):
+            victim = min(self.running, key=lambda r: (r.priority, -r.admit_order))
+            if victim.priority >= head.priority:
+                return
+            self._preempt(victim, preempted)
+
+    def _waiting_key(self, now: float) -> Callable[[Request], tuple]:
+        aging = self.config.aging_seconds
+
+        def key(r: Request) -> tuple:
+            bonus = int((now - r.arrival_time) / aging) if aging > 0 else 0
+            return (-(r.priority + bonus), r.status is not RequestStatus.PREEMPTED, r.arrival_time, r.seq_id)
+
+        return key
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
+        self.waiting.sort(key=self._waiting_key(self.clock()))
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            seats = 1 + len(seq.pending_children)
+            if len(self.running) + seats > self.config.max_num_seqs:
+                return
+            if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
+                return
+            num_cached = self.kv.allocate(seq.seq_id, seq.all_token_ids)
+            if num_cached is None:
+                return  # strict order: a big head request is not starved by smaller ones
+            self.waiting.pop(0)
+            self._admit(seq, num_cached)
+            num_new = self._num_new_tokens(seq, budget)
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+
+    def _admit(self, seq: Request, num_cached: int) -> None:
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
+            seq.num_cached_tokens = num_cached
+        seq.num_computed_tokens = num_cached
+        seq.status = RequestStatus.RUNNING
+        seq.admit_order = self._admit_counter
+        self._admit_counter += 1
+        self.running.append(seq)
+
+    def _scheduled(self, seq: Request, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        num_spec = max(end - seq.num_tokens, 0)
+        sample = forks = None
+        if end >= seq.num_tokens:
+            sample = self._sampling_row(seq)
+            forks = tuple(self._sampling_row(c) for c in seq.pending_children)
+        return ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids_range(start, end),
+            num_computed_tokens=start,
+            num_spec_tokens=num_spec,
+            sample=sample,
+            fork_rows=forks or (),
+        )
+
+    @staticmethod
+    def _sampling_row(seq: Request) -> SamplingRow:
+        return SamplingRow(
+            seq_id=seq.seq_id,
+            sampling_params=seq.sampling_params,
+            seed=seq.seed,
+            output_position=seq.num_output_tokens,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )
+
+    # ---- update -------------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
+        """Apply a step's results: advance computed tokens, fork, append, stop, free."""
+        for s in sched.sequences:
+            seq = self._by_seq_id.get(s.seq_id)
+            if seq is not None and seq.status is RequestStatus.RUNNING:
+                seq.num_computed_tokens += s.num_new_tokens
+                if s.fork_rows and s.sample is not None:
+                    self._fork_children(seq)
+        num_spec = {s.seq_id: s.num_spec_tokens for s in sched.sequences}
+        for fork_parent in sched.sequences:
+            for row in fork_parent.fork_rows:
+                num_spec[row.seq_id] = 0
+        updates = [self._apply_sampled(st, num_spec.get(st.seq_id, 0)) for st in result.sampled]
+        updates = [u for u in updates if u is not None]
+        live = [self._by_seq_id[s.seq_id] for s in sched.sequences if s.seq_id in self._by_seq_id]
+        live = [r for r in live if r.status is RequestStatus.RUNNING]
+        self.kv.mark_computed([r.seq_id for r in live], [r.num_computed_tokens for r in live])
+        for u in updates:
+            seq = self._by_seq_id.get(u.seq_id)
+            if u.is_finished and seq is not None and seq.status is RequestStatus.RUNNING:
+                self.kv.free(seq.seq_id)
+                self.running.remove(seq)
+                seq.status = RequestStatus.FINISHED
+                seq.finish_time = self.clock()
+                self._forget_if_done(seq.request_id)
+        return updates
+
+    def _fork_children(self, leader: Request) -> None:
+        for child in leader.pending_children:
+            self.kv.fork(leader.seq_id, child.seq_id)
+            child.num_computed_tokens = leader.num_computed_tokens
+            child.num_cached_tokens = leader.num_cached_tokens
+            child.first_scheduled_time = leader.first_scheduled_time
+            child.status = RequestStatus.RUNNING
+            child.admit_order = self._admit_counter
+            self._admit_counter += 1
+            self.running.append(child)
+        leader.pending_children = []
+
+    def _apply_sampled(self, sampled: SampledTokens, num_spec: int) -> SequenceUpdate | None:
+        seq = self._by_seq_id.get(sampled.seq_id)
+        if seq is None or seq.status is not RequestStatus.RUNNING:
+            return None
+        num_rejected = num_spec - (len(sampled.token_ids) - 1)
+        if num_rejected > 0:
+            # Drafts after the first rejected one left stale KV behind: drop it.
+            seq.num_computed_tokens -= num_rejected
+            self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+        seq.spec_token_ids = []
+        new_ids: list[int] = []
+        for token_id in sampled.token_ids:
+            seq.output_token_ids.append(token_id)
+            new_ids.append(token_id)
+            decision = check_token_stop(seq, self.max_model_len)
+            if decision is not None:
+                seq.finish_reason, seq.stop_reason = decision.reason, decision.stop_reason
+                break
+        if seq.first_token_time is None:
+            seq.first_token_time = self.clock()
+        logprobs = sampled.logprobs[: len(new_ids)] if sampled.logprobs is not None else None
+        return SequenceUpdate(
+            seq.seq_id, seq.request_id, seq.index, new_ids, logprobs, seq.finish_reason is not None
+        )

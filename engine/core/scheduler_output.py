@@ -1,0 +1,138 @@
+"""Typed messages of one step: scheduler -> model runner -> scheduler. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedinfer.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Flat attention inputs of one step, built by the KV manager (all numpy int32).
+
+    B = number of scheduled sequences, T = total new tokens, M = max blocks per sequence.
+    """
+
+    block_tables: np.ndarray  # [B, M]
+    slot_mapping: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    context_lens: np.ndarray  # [B] tokens in the cache after this step (computed + new)
+    query_start_loc: np.ndarray  # [B + 1]
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to pick one sequence's next token(s)."""
+
+    seq_id: int
+    sampling_params: SamplingParams
+    seed: int | None  # None: the device RNG; else counter-based, batch-independent draws
+    output_position: int  # index among the outputs of the (first) token sampled this step
+    prompt_token_ids: list[int]  # references, read-only: used by the penalties
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of the step.
+
+    `token_ids` are the inputs computed this step: a prefill chunk, the last sampled token
+    (decode), or the last sampled token plus draft tokens (speculative verification).
+    `sample` is None while a prompt chunk does not reach the end of the known tokens.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int  # before this step
+    num_spec_tokens: int = 0  # trailing draft tokens among token_ids
+    sample: SamplingRow | None = None
+    fork_rows: tuple[SamplingRow, ...] = ()  # n > 1 children sampled from the same logits
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one step."""
+
+    sequences: list[ScheduledSequence]  # batch order
+    layout: BatchLayout | None  # None when nothing is scheduled
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst) blocks
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return bool(self.sequences) and all(s.num_new_tokens == 1 for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw logprobs at one position (token strings are added by the detokenizer)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """Tokens a sequence gained this step: one normally, 1 + accepted drafts when verifying."""
+
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Result of one step: sampled tokens per sequence (children of a fork included)."""
+
+    sampled: list[SampledTokens]
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
+
+
+@dataclass
+class StepStats:
+    """Per-step counters for metrics listeners (Prometheus, tracing)."""
+
+    step: int
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+    num_finished: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    kv_cache_usage: float
+    step_time_s: float = 0.0
+    batch_size: int = 0
+
+
+@dataclass
+class SequenceUpdate:
+    """What one sequence gained in a step, for the output processor (detokenizer, streams)."""
+
+    seq_id: int
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    is_finished: bool = False

@@ -1,0 +1,134 @@
+"""Per-step sampling parameters as device tensors, built once from the scheduler's rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedinfer.engine.core.scheduler_output import SamplingRow
+
+
+@dataclass
+class SamplingMetadata:
+    """Everything the sampler reads, one entry per logits row (N rows)."""
+
+    temperature: torch.Tensor  # [N] fp32; greedy rows hold 1.0 (unused)
+    is_greedy: torch.Tensor  # [N] bool
+    top_k: torch.Tensor  # [N] int64; vocab size when disabled
+    top_p: torch.Tensor  # [N] fp32
+    min_p: torch.Tensor  # [N] fp32
+    seeded_rows: torch.Tensor | None  # [S] int64 rows with a per-request seed; None: none
+    seeds: torch.Tensor | None  # [S] int64 their seeds
+    positions: torch.Tensor | None  # [S] int64 output position of their sampled token
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_num_logprobs: int  # -1: no row wants logprobs
+    num_logprobs: list[int | None]  # per row
+    penalties: PenaltyTensors | None = None
+    ban_rows: torch.Tensor | None = None  # [M] int64 (min_tokens bans)
+    ban_token_ids: torch.Tensor | None = None  # [M] int64
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+@dataclass
+class PenaltyTensors:
+    prompt_ids: torch.Tensor  # [N, Lp] int64, -1 padded
+    output_ids: torch.Tensor  # [N, Lo] int64, -1 padded
+    repetition: torch.Tensor  # [N] fp32
+    presence: torch.Tensor  # [N] fp32
+    frequency: torch.Tensor  # [N] fp32
+
+
+def build_sampling_metadata(
+    rows: Sequence[SamplingRow],
+    vocab_size: int,
+    device: torch.device,
+    eos_token_ids: Sequence[Sequence[int]] | None = None,
+) -> SamplingMetadata:
+    """Gather the rows' parameters into tensors (one host->device copy per field)."""
+    params = [r.sampling_params for r in rows]
+    greedy = [p.temperature == 0.0 for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    logprobs = [p.logprobs for p in params]
+
+    def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    meta = SamplingMetadata(
+        temperature=dev(
+            [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=False)], torch.float32
+        ),
+        is_greedy=dev(greedy, torch.bool),
+        top_k=dev(top_k, torch.int64),
+        top_p=dev([p.top_p for p in params], torch.float32),
+        min_p=dev([p.min_p for p in params], torch.float32),
+        seeded_rows=None,
+        seeds=None,
+        positions=None,
+        all_greedy=all(greedy),
+        any_top_k=any(k < vocab_size for k, g in zip(top_k, greedy, strict=False) if not g),
+        any_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy, strict=False) if not g),
+        any_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy, strict=False) if not g),
+        max_num_logprobs=max((n for n in logprobs if n is not None), default=-1),
+        num_logprobs=logprobs,
+    )
+    seeded = [i for i, r in enumerate(rows) if r.seed is not None and not greedy[i]]
+    if seeded:
+        meta.seeded_rows = dev(seeded, torch.int64)
+        meta.seeds = dev([rows[i].seed & ((1 << 63) - 1) for i in seeded], torch.int64)
+        meta.positions = dev([rows[i].output_position for i in seeded], torch.int64)
+    if any(_has_penalty(p) for p in params):
+        meta.penalties = _penalty_tensors(rows, device)
+    _add_min_token_bans(meta, rows, eos_token_ids, device)
+    return meta
+
+
+def _has_penalty(p) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _pad(lists: list[list[int]]) -> torch.Tensor:
+    width = max((len(x) for x in lists), default=0)
+    out = torch.full((len(lists), max(width, 1)), -1, dtype=torch.int64)
+    for i, ids in enumerate(lists):
+        if ids:
+            out[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    return out
+
+
+def _penalty_tensors(rows: Sequence[SamplingRow], device: torch.device) -> PenaltyTensors:
+    params = [r.sampling_params for r in rows]
+    # Rows without a repetition penalty need no prompt history: keep the padded width small.
+    prompts = [r.prompt_token_ids if r.sampling_params.repetition_penalty != 1.0 else [] for r in rows]
+    outputs = [r.output_token_ids[: r.output_position] for r in rows]
+    return PenaltyTensors(
+        prompt_ids=_pad(prompts).to(device, non_blocking=True),
+        output_ids=_pad(outputs).to(device, non_blocking=True),
+        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).to(device),
+        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(device),
+    )
+
+
+def _add_min_token_bans(meta, rows, eos_token_ids, device) -> None:
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    for i, r in enumerate(rows):
+        p = r.sampling_params
+        if r.output_position >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids)
+        if not p.ignore_eos and eos_token_ids is not None:
+            banned.update(eos_token_ids[i])
+        ban_rows.extend([i] * len(banned))
+        ban_ids.extend(sorted(banned))
+    if ban_rows:
+        meta.ban_rows = torch.tensor(ban_rows, dtype=torch.int64).to(device)
+        meta.ban_token_ids = torch.tensor(ban_ids, dtype=torch.int64).to(device)

@@ -1,0 +1,345 @@
+"""Scheduler policy: token budget, chunked prefill, priorities, aging, admission, preemption."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+
+from pagedinfer.engine.config import SchedulerConfig
+from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.core.scheduler import Scheduler
+from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedinfer.engine.outputs import FinishReason
+from pagedinfer.engine.request import Request, RequestStatus
+from pagedinfer.engine.sampling_params import SamplingParams
+
+BACKENDS = []
+if importlib.util.find_spec("pagedinfer._native") is not None:
+    BACKENDS.append("native")
+if importlib.util.find_spec("pagedinfer.engine.core.block_pool_ref") is not None:
+    BACKENDS.append("ref")
+
+
+def backend_factory(name: str):
+    if name == "ref":
+        from pagedinfer.engine.core.block_pool_ref import BlockManager
+    else:
+        from pagedinfer._native import BlockManager
+    return lambda n, b, p: BlockManager(n, b, p)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(backend: str, num_blocks=64, block_size=4, max_model_len=256, clock=None, **cfg):
+    kv = KVCacheManager(
+        num_blocks,
+        block_size,
+        watermark_blocks=cfg.pop("watermark", 0),
+        backend_factory=backend_factory(backend),
+    )
+    return Scheduler(SchedulerConfig(**cfg), kv, max_model_len, clock=clock or FakeClock())
+
+
+def make_request(seq_id, prompt_len=8, max_tokens=4, priority=0, arrival=0.0, rid=None, **kw) -> Request:
+    prompt = [(seq_id * 7 + i) % 50 + 3 for i in range(prompt_len)]
+    return Request(
+        seq_id=seq_id,
+        request_id=rid or f"r{seq_id}",
+        index=0,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, **kw),
+        arrival_time=arrival,
+        priority=priority,
+        eos_token_ids=(2,),
+    )
+
+
+def next_token(history: list[int]) -> int:
+    """A deterministic 'model': the next token is a hash of the whole history (never EOS=2)."""
+    h = 17
+    for t in history:
+        h = (h * 31 + t) % 1000003
+    return h % 47 + 3
+
+
+def fake_run(
+    scheduler: Scheduler, out: SchedulerOutput, eos_at: dict[int, int] | None = None
+) -> ModelRunnerOutput:
+    """Sample `next_token(history + [index])` for every sampling row (fork children included)."""
+    sampled = []
+    for s in out.sequences:
+        if s.sample is None:
+            continue
+        seq = scheduler.get_sequence(s.seq_id)
+        for row in (s.sample, *s.fork_rows):
+            index = scheduler.get_sequence(row.seq_id).index
+            token = next_token(seq.all_token_ids + [index])
+            if eos_at and eos_at.get(row.seq_id) == row.output_position:
+                token = 2
+            sampled.append(SampledTokens(row.seq_id, [token]))
+    return ModelRunnerOutput(sampled)
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, on_step=None) -> int:
+    steps = 0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        scheduler.update(out, fake_run(scheduler, out))
+        if on_step:
+            on_step(steps, out)
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return steps
+
+
+def step(s, eos_at=None):
+    out = s.schedule()
+    s.update(out, fake_run(s, out, eos_at))
+    return out
+
+
+def test_decodes_first_then_chunked_prefill_under_budget(backend):
+    s = make_scheduler(backend, max_num_batched_tokens=16, max_num_seqs=8)
+    a = make_request(1, prompt_len=10, max_tokens=50)
+    s.add_request(a)
+    out = step(s)
+    assert [(x.seq_id, x.num_new_tokens) for x in out.sequences] == [(1, 10)]
+    assert a.num_output_tokens == 1
+    b = make_request(2, prompt_len=40, max_tokens=5)
+    s.add_request(b)
+    news = []
+    for _ in range(3):
+        out = step(s)
+        news.append([(x.seq_id, x.num_new_tokens) for x in out.sequences])
+    # The running decode keeps its token every step; the long prompt takes the rest in chunks.
+    assert news == [[(1, 1), (2, 15)], [(1, 1), (2, 15)], [(1, 1), (2, 10)]]
+    assert b.num_output_tokens == 1 and a.num_output_tokens == 4
+    assert all(out.num_scheduled_tokens <= 16 for out in [out])
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget(backend):
+    s = make_scheduler(backend, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    s.add_request(make_request(1, prompt_len=10, max_tokens=50))
+    step(s)
+    s.add_request(make_request(2, prompt_len=16, max_tokens=5))
+    out = step(s)
+    assert [x.seq_id for x in out.sequences] == [1]  # 1 + 16 > 16: not this step
+
+
+def test_max_num_seqs_caps_the_batch(backend):
+    s = make_scheduler(backend, max_num_seqs=2)
+    for i in range(1, 5):
+        s.add_request(make_request(i))
+    out = s.schedule()
+    assert len(out.sequences) == 2 and s.num_waiting == 2
+
+
+def test_priority_then_fcfs(backend):
+    clock = FakeClock()
+    s = make_scheduler(backend, clock=clock, max_num_seqs=1, aging_seconds=1e9)
+    reqs = [
+        make_request(1, priority=0, arrival=1.0),
+        make_request(2, priority=5, arrival=2.0),
+        make_request(3, priority=5, arrival=3.0),
+        make_request(4, priority=1, arrival=0.5),
+    ]
+    for r in reqs:
+        s.add_request(r)
+    order = []
+    while s.has_unfinished():
+        out = step(s)
+        for x in out.sequences:
+            if x.seq_id not in order:
+                order.append(x.seq_id)
+    assert order == [2, 3, 4, 1]
+
+
+def test_aging_prevents_starvation(backend):
+    clock = FakeClock()
+    s = make_scheduler(backend, clock=clock, max_num_seqs=1, aging_seconds=10.0)
+    old = make_request(1, priority=0, arrival=clock.now - 35.0)  # aged by 3 levels
+    new = make_request(2, priority=2, arrival=clock.now)
+    s.add_request(new)
+    s.add_request(old)
+    assert [x.seq_id for x in s.schedule().sequences] == [1]
+
+
+def test_admission_respects_free_blocks_and_watermark(backend):
+    # 10 blocks of 4 slots; watermark 2 blocks; a 30-token prompt needs 8 blocks.
+    s = make_scheduler(backend, num_blocks=10, watermark=2)
+    s.add_request(make_request(1, prompt_len=30))
+    s.add_request(make_request(2, prompt_len=4))
+    out = s.schedule()
+    assert [x.seq_id for x in out.sequences] == [1]  # 8 + 1 + 2 > 10 for the second
+    assert s.num_waiting == 1
+
+
+def test_preemption_lowest_priority_most_recent_and_requeue_front(backend):
+    # Every request needs 2 blocks for its prompt and grows; the pool runs out while decoding.
+    s = make_scheduler(backend, num_blocks=6, block_size=4, max_num_seqs=8)
+    reqs = [
+        make_request(1, 7, 20, priority=1),
+        make_request(2, 7, 20, priority=0),
+        make_request(3, 7, 20, priority=1),
+    ]
+    for r in reqs:
+        s.add_request(r)
+    out = step(s)
+    assert {x.seq_id for x in out.sequences} == {1, 2, 3}
+    preempted = []
+    for _ in range(3):
+        preempted += step(s).preempted_seq_ids
+    assert preempted[0] == 2  # lowest priority goes first
+    assert reqs[1].status is RequestStatus.PREEMPTED and reqs[1].num_computed_tokens == 0
+    s.add_request(make_request(4, 3, 2, priority=0, arrival=-1.0))
+    waiting_order = sorted(s.waiting, key=s._waiting_key(s.clock()))
+    assert waiting_order[0] is reqs[1]  # front of its class despite the earlier arrival of 4
+
+
+def test_outputs_identical_with_preemption_and_chunking(backend):
+    def workload(**cfg):
+        s = make_scheduler(backend, **cfg)
+        reqs = [make_request(i, prompt_len=5 + 3 * i, max_tokens=12 + i) for i in range(1, 9)]
+        for r in reqs:
+            s.add_request(r)
+        run_to_completion(s)
+        assert s.kv.num_free_blocks == s.kv.num_blocks
+        return [r.output_token_ids for r in reqs], s.num_preemptions_total
+
+    baseline, p0 = workload(num_blocks=256)
+    chunked, _ = workload(num_blocks=256, max_num_batched_tokens=7)
+    tight, preemptions = workload(num_blocks=14)
+    assert p0 == 0 and preemptions > 0
+    assert baseline == chunked == tight
+
+
+def test_single_request_that_cannot_fit_errors_instead_of_deadlock(backend):
+    s = make_scheduler(backend, num_blocks=3, block_size=4)
+    r = make_request(1, prompt_len=8, max_tokens=100)
+    s.add_request(r)
+    run_to_completion(s, max_steps=50)
+    assert r.finish_reason is FinishReason.ERROR and "KV cache" in r.error
+    assert [x.seq_id for x in s.take_finished()] == [1]
+    assert s.kv.num_free_blocks == 3
+
+
+def test_abort_frees_blocks_immediately(backend):
+    s = make_scheduler(backend, num_blocks=20)
+    a, b = make_request(1, 8, 50), make_request(2, 8, 50)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    free_before = s.kv.num_free_blocks
+    assert [x.seq_id for x in s.abort_request("r1")] == [1]
+    assert s.kv.num_free_blocks > free_before and a.finish_reason is FinishReason.ABORT
+    assert s.abort_request("r1") == [] and s.abort_request("unknown") == []
+    assert s.num_running == 1
+
+
+def test_stop_conditions(backend):
+    s = make_scheduler(backend, max_model_len=14)
+    eos = make_request(1, 4, 10)
+    min_tok = make_request(2, 4, 10, min_tokens=3)
+    length = make_request(3, 4, 3)
+    ctx = make_request(4, 10, 100)
+    stop_id = make_request(5, 4, 10, stop_token_ids=(2,), ignore_eos=True)
+    for r in (eos, min_tok, length, ctx, stop_id):
+        s.add_request(r)
+    eos_at = {1: 1, 2: 2, 5: 0}
+    while s.has_unfinished():
+        step(s, eos_at)
+        eos_at[2] = min_tok.num_output_tokens  # keep offering EOS to the min_tokens request
+    assert (eos.output_token_ids[-1], eos.num_output_tokens, eos.finish_reason) == (2, 2, FinishReason.STOP)
+    assert min_tok.num_output_tokens == 4 and min_tok.finish_reason is FinishReason.STOP
+    assert length.num_output_tokens == 3 and length.finish_reason is FinishReason.LENGTH
+    assert ctx.num_tokens == 14 and ctx.finish_reason is FinishReason.LENGTH
+    assert stop_id.stop_reason == 2 and stop_id.num_output_tokens == 1
+
+
+def test_n_children_fork_from_the_prompt_blocks(backend):
+    s = make_scheduler(backend, num_blocks=40, block_size=4)
+    leader = make_request(1, prompt_len=10, max_tokens=6, rid="g")
+    children = [
+        Request(
+            seq_id=10 + i,
+            request_id="g",
+            index=i,
+            prompt_token_ids=leader.prompt_token_ids,
+            sampling_params=leader.sampling_params,
+            arrival_time=0.0,
+            eos_token_ids=(2,),
+        )
+        for i in (1, 2)
+    ]
+    s.add_request(leader, children)
+    out = step(s)
+    assert [r.seq_id for r in out.sequences[0].fork_rows] == [11, 12]
+    # Three sequences share the prompt's 3 blocks: only 3 are used.
+    assert s.kv.num_free_blocks == 40 - 3
+    run_to_completion(s)
+    outs = [leader.output_token_ids, children[0].output_token_ids, children[1].output_token_ids]
+    assert all(len(o) == 6 for o in outs) and len({tuple(o) for o in outs}) == 3
+    assert s.kv.num_free_blocks == 40
+
+
+def test_speculative_tokens_are_extra_new_tokens_and_rejections_truncate(backend):
+    s = make_scheduler(backend, num_blocks=40, block_size=4)
+    r = make_request(1, prompt_len=6, max_tokens=20)
+    s.add_request(r)
+    step(s)
+    r.spec_token_ids = [7, 8, 9]
+    out = s.schedule()
+    (x,) = out.sequences
+    assert x.num_new_tokens == 4 and x.num_spec_tokens == 3 and x.token_ids[1:] == [7, 8, 9]
+    from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens
+
+    s.update(out, ModelRunnerOutput([SampledTokens(1, [7, 11])]))  # one draft accepted + bonus
+    assert r.output_token_ids[-2:] == [7, 11]
+    assert r.num_computed_tokens == 6 + 1 + 1 and s.kv.num_tokens(1) == 8
+    assert r.num_tokens == 9
+
+
+def test_no_block_leak_after_random_workload(backend):
+    rng = random.Random(0)
+    s = make_scheduler(backend, num_blocks=40, block_size=4, max_num_batched_tokens=24, max_num_seqs=6)
+    next_id = 1
+    live = []
+    for step_no in range(400):
+        if step_no < 300 and rng.random() < 0.4:
+            n = rng.choice([1, 1, 2, 3])
+            leader = make_request(next_id, rng.randint(1, 30), rng.randint(1, 20), priority=rng.randint(0, 2))
+            kids = [
+                Request(
+                    seq_id=next_id + i,
+                    request_id=leader.request_id,
+                    index=i,
+                    prompt_token_ids=leader.prompt_token_ids,
+                    sampling_params=leader.sampling_params,
+                    arrival_time=0.0,
+                    eos_token_ids=(2,),
+                )
+                for i in range(1, n)
+            ]
+            s.add_request(leader, kids)
+            live.append(leader.request_id)
+            next_id += n
+        if live and rng.random() < 0.1:
+            s.abort_request(live.pop(rng.randrange(len(live))))
+        step(s)
+    run_to_completion(s)
+    assert s.num_preemptions_total > 0
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+    assert not s._by_seq_id and not s._by_request_id
