@@ -1,0 +1,212 @@
+#include "pagedinfer/block_manager.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <string>
+
+namespace pagedinfer {
+namespace {
+
+std::string seq_name(int64_t seq_id) { return "sequence " + std::to_string(seq_id); }
+
+}  // namespace
+
+BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
+    : block_size_(block_size),
+      enable_prefix_caching_(enable_prefix_caching),
+      pool_(num_blocks > 0 ? num_blocks : 0),
+      cache_(num_blocks > 0 ? num_blocks : 0) {
+  if (num_blocks <= 0) throw std::invalid_argument("num_blocks must be positive");
+  if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
+  if (static_cast<int64_t>(num_blocks) * block_size > INT32_MAX) {
+    throw std::invalid_argument("num_blocks * block_size must fit in int32 (slot ids)");
+  }
+  block_tokens_.assign(static_cast<size_t>(num_blocks) * block_size, 0);
+}
+
+const Sequence& BlockManager::sequence(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) throw UnknownSequenceError("unknown " + seq_name(seq_id));
+  return it->second;
+}
+
+Sequence& BlockManager::get(int64_t seq_id) {
+  return const_cast<Sequence&>(static_cast<const BlockManager*>(this)->sequence(seq_id));
+}
+
+void BlockManager::require_blocks(int64_t needed, const char* what) const {
+  if (needed > pool_.num_available()) {
+    throw OutOfBlocksError(std::string(what) + " needs " + std::to_string(needed) +
+                           " blocks but only " + std::to_string(pool_.num_available()) +
+                           " are free or evictable");
+  }
+}
+
+int32_t BlockManager::allocate_block() {
+  if (pool_.num_free() > 0) return pool_.pop_free();
+  int32_t block = pool_.pop_lru();
+  cache_.erase(block);
+  ++evictions_;
+  return block;
+}
+
+void BlockManager::release_block(int32_t block) {
+  if (pool_.decref(block) > 0) return;
+  if (cache_.is_registered(block)) {
+    pool_.push_lru(block);
+  } else {
+    pool_.push_free(block);
+  }
+}
+
+bool BlockManager::same_tokens(int32_t block, const int32_t* tokens) const {
+  const int32_t* stored = block_tokens_.data() + static_cast<size_t>(block) * block_size_;
+  return std::memcmp(stored, tokens, sizeof(int32_t) * block_size_) == 0;
+}
+
+void BlockManager::match_prefix(const int32_t* tokens, int64_t num_tokens,
+                                std::vector<int32_t>* out) const {
+  if (!enable_prefix_caching_) return;
+  int32_t parent = -1;
+  uint64_t parent_hash = kRootHash;
+  for (int64_t i = 0; i + block_size_ <= num_tokens; i += block_size_) {
+    uint64_t h = chain_hash(parent_hash, tokens + i, block_size_);
+    int32_t block = cache_.find(h);
+    if (block < 0 || !cache_.is_child_of(block, parent) || !same_tokens(block, tokens + i)) break;
+    out->push_back(block);
+    parent = block;
+    parent_hash = h;
+  }
+}
+
+int64_t BlockManager::add_sequence(int64_t seq_id, const int32_t* tokens, int64_t num_tokens) {
+  if (seqs_.count(seq_id)) throw DuplicateSequenceError(seq_name(seq_id) + " already exists");
+  if (num_tokens < 0) throw std::invalid_argument("num_tokens must be >= 0");
+  Sequence seq;
+  match_prefix(tokens, num_tokens, &seq.blocks);
+  int64_t num_reused = static_cast<int64_t>(seq.blocks.size());
+  int64_t reused_evictable = 0;
+  for (int32_t block : seq.blocks) reused_evictable += pool_.refcount(block) == 0;
+  require_blocks(blocks_for(num_tokens) - num_reused + reused_evictable, "add_sequence");
+  seq.blocks.reserve(blocks_for(num_tokens));
+  seq.tokens.assign(tokens, tokens + num_tokens);
+  seq.num_hashed_blocks = static_cast<int32_t>(num_reused);
+  Sequence& stored = seqs_.emplace(seq_id, std::move(seq)).first->second;
+  // Nothing below throws. Reused blocks leave the LRU list before any allocation can evict them.
+  for (int32_t block : stored.blocks) pool_.incref(block);
+  for (int64_t pos = num_reused * block_size_; pos < num_tokens; ++pos) {
+    if (pos % block_size_ == 0) stored.blocks.push_back(allocate_block());
+    block_tokens_[static_cast<size_t>(stored.blocks.back()) * block_size_ + pos % block_size_] =
+        tokens[pos];
+  }
+  if (enable_prefix_caching_) {
+    prefix_cache_queries_ += num_tokens;
+    prefix_cache_hits_ += num_reused * block_size_;
+  }
+  return num_reused * block_size_;
+}
+
+int64_t BlockManager::append_need(const Sequence& seq, int64_t num_tokens) const {
+  int64_t len = static_cast<int64_t>(seq.tokens.size());
+  int64_t new_blocks = blocks_for(len + num_tokens) - blocks_for(len);
+  bool partial_last = len % block_size_ != 0;
+  bool cow = num_tokens > 0 && partial_last && pool_.refcount(seq.blocks.back()) > 1;
+  return new_blocks + (cow ? 1 : 0);
+}
+
+int64_t BlockManager::blocks_needed_to_append(int64_t seq_id, int64_t num_tokens) const {
+  if (num_tokens < 0) throw std::invalid_argument("num_tokens must be >= 0");
+  return append_need(sequence(seq_id), num_tokens);
+}
+
+std::vector<BlockCopy> BlockManager::append_tokens(int64_t seq_id, const int32_t* tokens,
+                                                   int64_t num_tokens) {
+  Sequence& seq = get(seq_id);
+  if (num_tokens < 0) throw std::invalid_argument("num_tokens must be >= 0");
+  std::vector<BlockCopy> copies;
+  if (num_tokens == 0) return copies;
+  require_blocks(append_need(seq, num_tokens), "append_tokens");
+  int64_t len = static_cast<int64_t>(seq.tokens.size());
+  copies.reserve(1);
+  seq.tokens.reserve(len + num_tokens);
+  seq.blocks.reserve(blocks_for(len + num_tokens));
+  // Nothing below throws.
+  if (len % block_size_ != 0) {
+    int32_t last = seq.blocks.back();
+    if (pool_.refcount(last) > 1) {
+      int32_t copy = allocate_block();
+      std::memcpy(&block_tokens_[static_cast<size_t>(copy) * block_size_],
+                  &block_tokens_[static_cast<size_t>(last) * block_size_],
+                  sizeof(int32_t) * block_size_);
+      release_block(last);
+      seq.blocks.back() = copy;
+      copies.push_back({last, copy});
+      ++cow_copies_;
+    } else if (cache_.is_registered(last)) {
+      cache_.erase(last);  // its content is about to change: never serve it again
+    }
+  }
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    int64_t pos = len + i;
+    if (pos % block_size_ == 0) seq.blocks.push_back(allocate_block());
+    block_tokens_[static_cast<size_t>(seq.blocks.back()) * block_size_ + pos % block_size_] =
+        tokens[i];
+  }
+  seq.tokens.insert(seq.tokens.end(), tokens, tokens + num_tokens);
+  return copies;
+}
+
+void BlockManager::fork(int64_t parent_id, int64_t child_id) {
+  const Sequence& parent = sequence(parent_id);
+  if (seqs_.count(child_id)) throw DuplicateSequenceError(seq_name(child_id) + " already exists");
+  Sequence child = parent;
+  Sequence& stored = seqs_.emplace(child_id, std::move(child)).first->second;
+  for (int32_t block : stored.blocks) pool_.incref(block);
+}
+
+std::vector<BlockCopy> BlockManager::truncate(int64_t seq_id, int64_t num_tokens) {
+  Sequence& seq = get(seq_id);
+  int64_t len = static_cast<int64_t>(seq.tokens.size());
+  if (num_tokens < 0 || num_tokens > len) {
+    throw std::invalid_argument("cannot truncate " + seq_name(seq_id) + " of " +
+                                std::to_string(len) + " tokens to " + std::to_string(num_tokens));
+  }
+  int64_t keep = blocks_for(num_tokens);
+  // Release the tail last block first so it is evicted before the prefix that leads to it.
+  for (int64_t i = static_cast<int64_t>(seq.blocks.size()) - 1; i >= keep; --i) {
+    release_block(seq.blocks[i]);
+  }
+  seq.blocks.resize(keep);
+  seq.tokens.resize(num_tokens);
+  seq.num_hashed_blocks =
+      static_cast<int32_t>(std::min<int64_t>(seq.num_hashed_blocks, num_tokens / block_size_));
+  return {};
+}
+
+void BlockManager::free(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end())
+    throw UnknownSequenceError("unknown (or already freed) " + seq_name(seq_id));
+  const std::vector<int32_t>& blocks = it->second.blocks;
+  for (auto block = blocks.rbegin(); block != blocks.rend(); ++block) release_block(*block);
+  seqs_.erase(it);
+}
+
+bool BlockManager::can_allocate(int64_t num_tokens) const {
+  return num_tokens >= 0 && blocks_for(num_tokens) <= pool_.num_available();
+}
+
+int32_t BlockManager::block_refcount(int32_t block) const {
+  if (block < 0 || block >= pool_.num_blocks()) {
+    throw std::out_of_range("block id " + std::to_string(block) + " out of range");
+  }
+  return pool_.refcount(block);
+}
+
+const int32_t* BlockManager::block_tokens(int32_t block) const {
+  block_refcount(block);  // range check
+  return block_tokens_.data() + static_cast<size_t>(block) * block_size_;
+}
+
+}  // namespace pagedinfer
