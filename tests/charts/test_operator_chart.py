@@ -1,0 +1,267 @@
+"""charts/pagedinfer-operator: lint, render, validate every object, RBAC scope, CLI/env contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "pagedinfer-operator"
+MONITORING_ON = {
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    "engineMonitor": {"enabled": True},
+    "dashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}},
+    "prometheusRule": {"enabled": True, "additionalAlertLabels": {"team": "ml"}},
+}
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "monitoring": MONITORING_ON,
+    "namespaced": {
+        "operator": {"allNamespaces": False, "watchNamespaces": ["team-a", "team-b"]},
+        **MONITORING_ON,
+    },
+    "namespaced-release-ns": {"operator": {"allNamespaces": False}},
+    "pinned": {
+        "image": {"digest": "sha256:" + "ab" * 32},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "engineImages": {"cpu": "registry.local/engine-cpu:0.1.0", "gpu": "registry.local/engine:0.1.0"},
+        "serviceAccount": {"create": True, "name": "pi-op", "annotations": {"a": "b"}},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "infra", "operator": "Exists", "effect": "NoSchedule"}],
+        "priorityClassName": "system-cluster-critical",
+        "operator": {"extraArgs": ["--verbose"], "extraEnv": [{"name": "X", "value": "1"}]},
+    },
+    "no-rbac": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}},
+}
+# Each breaks one rule of values.schema.json; helm must refuse to render it.
+BAD_VALUES: dict[str, dict[str, Any]] = {
+    "unknown-key": {"replicaCount": 2},
+    "latest-tag": {"image": {"tag": "latest"}},
+    "bad-digest": {"image": {"digest": "sha256:xyz"}},
+    "latest-engine-image": {"engineImages": {"cpu": "ghcr.io/x/engine-cpu:latest"}},
+    "privileged": {"securityContext": {"privileged": True}},
+    "writable-root": {"securityContext": {"readOnlyRootFilesystem": False}},
+    "root-user": {"podSecurityContext": {"runAsUser": 0}},
+    "root-allowed": {"podSecurityContext": {"runAsNonRoot": False}},
+    "no-limits": {"resources": {"limits": None}},
+    "kv-threshold": {"prometheusRule": {"rules": {"kvCacheFull": {"threshold": 1.5}}}},
+    "bad-duration": {"prometheusRule": {"rules": {"ttftHigh": {"for": "ten minutes"}}}},
+    "bad-namespace": {"operator": {"allNamespaces": False, "watchNamespaces": ["Team_A"]}},
+    "bad-port": {"metrics": {"port": 70000}},
+    "bad-severity": {"prometheusRule": {"rules": {"engineDown": {"severity": "page"}}}},
+}
+
+
+@pytest.fixture(scope="module")
+def rendered(helm) -> dict[str, list[dict[str, Any]]]:
+    return {name: helm.template(CHART, values) for name, values in VALUE_SETS.items()}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_lint_strict(helm, name):
+    helm.lint(CHART, VALUE_SETS[name])
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_rendered_object_is_valid(rendered, validate, name):
+    objs = rendered[name]
+    assert objs
+    for obj in objs:
+        validate(obj)
+    names = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names)), "duplicate objects"
+
+
+@pytest.mark.parametrize("name", BAD_VALUES)
+def test_schema_rejects_bad_values(helm, name):
+    with pytest.raises(RuntimeError, match="values don't meet the specifications of the schema"):
+        helm.template(CHART, BAD_VALUES[name])
+
+
+def test_crds_identical_to_manifests():
+    sources = sorted((ROOT / "manifests" / "crd").glob("*.yaml"))
+    copies = sorted((CHART / "crds").glob("*.yaml"))
+    assert sources, "the operator's CRD is missing from manifests/crd"
+    assert [p.name for p in sources] == [p.name for p in copies]
+    for src, copy in zip(sources, copies, strict=True):
+        assert src.read_bytes() == copy.read_bytes(), f"{copy} differs: run scripts/sync_crds.sh"
+    subprocess.run([str(ROOT / "scripts" / "sync_crds.sh"), "--check"], check=True, cwd=ROOT)
+
+
+def test_crd_is_a_valid_custom_resource_definition(validate):
+    for path in (CHART / "crds").glob("*.yaml"):
+        validate(yaml.safe_load(path.read_text()))
+
+
+def _rules(objs, kind):
+    return [r for o in objs if o["kind"] == kind for r in o["rules"]]
+
+
+def _grants(rules) -> set[tuple[str, str, str]]:
+    return {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
+
+
+def _required_grants() -> set[tuple[str, str, str]]:
+    """What the operator's code touches: every owned kind in full, its CR, pods read-only."""
+    from pagedinfer.operator import resources as res
+
+    full = ("get", "list", "watch", "create", "update", "patch", "delete")
+    need = {(r.group, r.plural, v) for r in res.OWNED for v in full}
+    ie = res.INFERENCE_ENGINE
+    need |= {(ie.group, ie.plural, v) for v in ("get", "list", "watch", "patch")}
+    need |= {(ie.group, f"{ie.plural}/status", "patch")}
+    need |= {(res.POD.group, res.POD.plural, v) for v in ("get", "list", "watch")}
+    return need
+
+
+def test_cluster_wide_rbac_grants_what_the_operator_uses(rendered):
+    objs = rendered["defaults"]
+    grants = _grants(_rules(objs, "ClusterRole"))
+    assert not _rules(objs, "Role")
+    missing = _required_grants() - grants
+    assert not missing, f"ClusterRole lacks {sorted(missing)}"
+    assert ("apiextensions.k8s.io", "customresourcedefinitions", "get") in grants
+
+
+def test_rbac_is_least_privilege(rendered):
+    for objs in rendered.values():
+        for rule in _rules(objs, "ClusterRole") + _rules(objs, "Role"):
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], rule
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+            assert not {"secrets", "nodes", "clusterroles", "roles"} & set(rule["resources"]), rule
+            if rule["apiGroups"] == ["apiextensions.k8s.io"]:
+                assert set(rule["verbs"]) <= {"get", "list", "watch"}, (
+                    "the chart, not the operator, owns CRDs"
+                )
+
+
+def test_namespaced_mode_uses_roles_in_each_namespace(rendered):
+    objs = rendered["namespaced"]
+    roles = [o for o in objs if o["kind"] == "Role"]
+    bindings = [o for o in objs if o["kind"] == "RoleBinding"]
+    assert sorted(o["metadata"]["namespace"] for o in roles) == ["team-a", "team-b"]
+    assert sorted(o["metadata"]["namespace"] for o in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["subjects"][0]["namespace"] == "serving"
+    assert _required_grants() <= _grants(_rules(objs, "Role"))
+    cluster = _grants(_rules(objs, "ClusterRole"))
+    assert {g[:2] for g in cluster} == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"),
+        ("", "namespaces"),
+    }
+    args = _operator_container(objs)["args"]
+    assert args[:3] == ["operator", "--namespace=team-a", "--namespace=team-b"]
+    pod_monitor = next(o for o in objs if o["kind"] == "PodMonitor")
+    assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    default_ns = rendered["namespaced-release-ns"]
+    assert [o["metadata"]["namespace"] for o in default_ns if o["kind"] == "Role"] == ["serving"]
+
+
+def test_no_rbac_and_existing_service_account(rendered):
+    objs = rendered["no-rbac"]
+    kinds = {o["kind"] for o in objs}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount"}
+    pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "existing"
+
+
+def _operator_container(objs) -> dict[str, Any]:
+    deployment = next(o for o in objs if o["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_image_reference(rendered):
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert (
+        _operator_container(rendered["defaults"])["image"]
+        == f"ghcr.io/pagedinfer/operator:{chart['appVersion']}"
+    )
+    assert (
+        _operator_container(rendered["pinned"])["image"] == "ghcr.io/pagedinfer/operator@sha256:" + "ab" * 32
+    )
+
+
+def test_operator_env_is_what_the_operator_reads(helm):
+    """Every PAGEDINFER_OPERATOR_* variable the chart sets lands in OperatorConfig.from_env."""
+    from pagedinfer.operator.config import OperatorConfig
+
+    values = {
+        "operator": {
+            "resyncSeconds": 7,
+            "statsSeconds": 11,
+            "enableStats": False,
+            "clusterDomain": "k.example",
+        },
+        "metrics": {"port": 9090},
+        "engineImages": {"cpu": "r/cpu:1", "gpu": "r/gpu:1"},
+    }
+    container = _operator_container(helm.template(CHART, values))
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    config = OperatorConfig.from_env(env)
+    assert (config.resync_seconds, config.stats_seconds, config.enable_stats) == (7.0, 11.0, False)
+    assert (config.cluster_domain, config.metrics_port) == ("k.example", 9090)
+    assert (config.image_cpu, config.image_gpu) == ("r/cpu:1", "r/gpu:1")
+    assert container["ports"][0]["containerPort"] == 9090
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_operator_command_matches_the_cli(rendered):
+    container = _operator_container(rendered["defaults"])
+    assert container["command"] == ["pagedinfer"]
+    assert container["args"] == ["operator", "--all-namespaces"]
+    from pagedinfer.engine.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps subparsers here
+    if "operator" in commands:
+        parser.parse_args(container["args"])
+        parser.parse_args(_operator_container(rendered["namespaced"])["args"][:3])
+
+
+def test_metrics_service_and_service_monitor_agree(rendered):
+    objs = rendered["monitoring"]
+    service = next(o for o in objs if o["kind"] == "Service")
+    monitor = next(o for o in objs if o["kind"] == "ServiceMonitor")
+    deployment = next(o for o in objs if o["kind"] == "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_engine_pod_monitor_selects_the_operators_engine_pods(rendered):
+    from pagedinfer.operator.builders import meta
+
+    monitor = next(o for o in rendered["monitoring"] if o["kind"] == "PodMonitor")
+    ref = meta.EngineRef(name="smollm2", namespace="default", uid="u")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= meta.common_labels(ref).items()
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+
+
+def test_dashboard_configmap(rendered):
+    cm = next(o for o in rendered["monitoring"] if o["kind"] == "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    shipped = json.loads((CHART / "dashboards" / "pagedinfer.json").read_text())
+    assert json.loads(cm["data"]["pagedinfer.json"]) == shipped
+
+
+def test_monitoring_objects_are_opt_in(rendered):
+    kinds = {o["kind"] for o in rendered["defaults"]}
+    assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
+
+
+def test_notes_tell_the_next_steps(helm):
+    notes = helm.notes(CHART, MONITORING_ON)
+    assert "kubectl get crd inferenceengines.serving.pagedinfer.io" in notes
+    assert "every namespace" in notes and "PrometheusRule" in notes and "grafana_dashboard=1" in notes
+    namespaced = helm.notes(CHART, {"operator": {"allNamespaces": False, "watchNamespaces": ["a", "b"]}})
+    assert "It watches InferenceEngines in: a,b" in namespaced
