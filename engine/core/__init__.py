@@ -1,0 +1,1 @@
+"""CPU-only engine bookkeeping (scheduling, KV block management). Never imports torch."""

@@ -1,0 +1,65 @@
+"""Invariant check of the reference block manager (mirrors native check_invariants)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedinfer.engine.core.block_pool_ref import BlockManager
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        from pagedinfer.engine.core.block_pool_ref import InvariantError
+
+        raise InvariantError(what)
+
+
+def check_invariants(bm: BlockManager) -> None:
+    """Raises InvariantError at the first inconsistency. O(everything)."""
+    _check_blocks(bm)
+    _check_sequences(bm)
+
+
+def _check_blocks(bm: BlockManager) -> None:
+    from pagedinfer.engine.core.block_pool_ref import ROOT_HASH, chain_hash
+
+    state = [""] * bm.num_total_blocks
+    for block in bm._free:
+        _require(0 <= block < len(state) and not state[block], f"free list: bad or repeated {block}")
+        _require(bm._refcount[block] == 0 and block not in bm._registrations, f"free block {block} in use")
+        state[block] = "free"
+    for block in bm._lru:
+        _require(not state[block], f"block {block} both free and evictable")
+        _require(bm._refcount[block] == 0 and block in bm._registrations, f"evictable block {block} bad")
+        state[block] = "evictable"
+    for block, s in enumerate(state):
+        _require(bool(s) or bm._refcount[block] > 0, f"block {block} is in no state (leaked)")
+    _require(len(bm._index) == len(bm._registrations), "hash index size mismatch")
+    for block, reg in bm._registrations.items():
+        _require(bm._index.get(reg.hash) == block, f"block {block} not indexed")
+        if not bm._is_child_of(block, reg.parent):
+            continue
+        parent_hash = bm._registrations[reg.parent].hash if reg.parent >= 0 else ROOT_HASH
+        _require(chain_hash(parent_hash, bm._block_tokens[block]) == reg.hash, f"block {block} content")
+
+
+def _check_sequences(bm: BlockManager) -> None:
+    refs = [0] * bm.num_total_blocks
+    bs = bm.block_size
+    for seq_id, seq in bm._seqs.items():
+        n = len(seq.tokens)
+        _require(len(seq.blocks) == -(-n // bs), f"sequence {seq_id} block count")
+        _require(0 <= seq.num_hashed_blocks <= n // bs, f"sequence {seq_id} num_hashed_blocks")
+        for i, block in enumerate(seq.blocks):
+            refs[block] += 1
+            if i < seq.num_hashed_blocks and bm.enable_prefix_caching:
+                _require(block in bm._registrations, f"sequence {seq_id} hashed block not cached")
+            stored = bm._block_tokens[block][: min(bs, n - i * bs)]
+            _require(
+                stored == seq.tokens[i * bs : i * bs + len(stored)], f"sequence {seq_id} block {i} content"
+            )
+    for block, count in enumerate(refs):
+        _require(
+            count == bm._refcount[block], f"block {block} refcount {bm._refcount[block]} != {count} refs"
+        )
