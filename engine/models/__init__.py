@@ -1,0 +1,1 @@
+"""Model runtime: Llama-family decoders, weight loaders (safetensors, GGUF), model URI resolution."""

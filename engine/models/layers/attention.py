@@ -1,0 +1,69 @@
+"""Grouped-query self-attention over the paged KV cache.
+
+qkv projection (one fused GEMM) -> rotary -> write the new K/V into the cache -> paged attention
+(the decode kernel when every sequence brings exactly one token, else the extend kernel) -> o_proj.
+Heads here are the heads of this rank: tensor parallelism divides num_heads and num_kv_heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedinfer.engine.models.layers.rotary import apply_rotary
+from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
+from pagedinfer.kernels import ops
+
+
+class PagedAttention(nn.Module):
+    """Self-attention of one decoder layer; `qkv_proj.weight` rows are [q; k; v]."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        # x [T, hidden]; rope (cos, sin) [T, D/2]; caches [num_blocks, block_size, KVH, D]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)  # [T, H, D]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        out = self._attend(q, k, v, kv_cache, attn_metadata)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+
+    def _attend(self, q, k, v, kv_cache, md: AttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        # The new K/V go into the cache first; attention then reads only the cache.
+        ops.write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping, backend=md.backend)
+        if md.is_pure_decode:
+            return ops.paged_decode_attention(
+                q, key_cache, value_cache, md.block_tables, md.seq_lens, self.scale, backend=md.backend
+            )
+        return ops.paged_extend_attention(
+            q,
+            key_cache,
+            value_cache,
+            md.block_tables,
+            md.query_start_loc,
+            md.seq_lens,
+            self.scale,
+            max_query_len=md.max_query_len,
+            backend=md.backend,
+        )

@@ -1,0 +1,208 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+One forward pass runs a flattened ragged batch: the new tokens of every sequence concatenated
+([T] ids with per-token positions), no padding. Prefill chunks, decode tokens and speculative
+verification tokens share the step; `AttentionMetadata` says where each token's K/V live.
+
+Weights use Hugging Face names at the loading boundary (`load_weights`); inside, q/k/v and
+gate/up are fused into one GEMM each. Parameters are created uninitialized on the target device
+(built on the meta device first), so a model is only meaningful after `load_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedinfer.engine.config import ModelConfig
+from pagedinfer.engine.models.layers.attention import PagedAttention
+from pagedinfer.engine.models.layers.mlp import SwiGLUMLP
+from pagedinfer.engine.models.layers.rms_norm import RMSNorm
+from pagedinfer.engine.models.layers.rotary import RotaryEmbedding
+from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
+
+# Checkpoint names that carry no weights of ours (old HF checkpoints saved the rope table).
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)), residual adds fused into the norms."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = PagedAttention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            bias=config.attention_bias,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden, residual [T, hidden]; returns the block output and the running residual.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (Hugging Face's `model.*` submodule)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # An explicit (empty) weight skips nn.Embedding's normal_ init, which is slow on meta.
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its LM head. `forward` returns final hidden states, `compute_logits` logits."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.model = LlamaModel(config)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
+        self.to(dtype).to_empty(device=device)  # one allocation, in the final dtype
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64; one (key_cache, value_cache) per layer -> hidden [T, hidden]."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb(positions)  # (cos, sin) [T, D/2], shared by every layer
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (only the rows that need logits) -> logits [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set.
+
+        Shapes were validated against `hf_weight_shapes` by the loader before any allocation;
+        the checks here guard direct callers.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            param_name, rows = fused_target(name, self.config)
+            if param_name not in params:
+                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+            target = params[param_name].data if rows is None else params[param_name].data[rows[0] : rows[1]]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(hf_weight_shapes(self.config)) - loaded)
+        if missing:
+            raise ValueError(
+                f"weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
+
+
+# Hugging Face projection name -> (our fused parameter, which block of its output rows).
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def fused_target(name: str, config: ModelConfig) -> tuple[str, tuple[int, int] | None]:
+    """HF name -> (our parameter name, (row_start, row_end) inside it, or None for all of it)."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in _FUSED:
+        return name, None
+    proj = parts[-2]
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    rows = {
+        "q_proj": (0, q_size),
+        "k_proj": (q_size, q_size + kv_size),
+        "v_proj": (q_size + kv_size, q_size + 2 * kv_size),
+        "gate_proj": (0, inter),
+        "up_proj": (inter, 2 * inter),
+    }[proj]
+    return ".".join([*parts[:-2], _FUSED[proj], parts[-1]]), rows
+
+
+def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config must provide, by Hugging Face name, with its shape."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_size, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_size, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_size, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_size)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_size,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+    return shapes

@@ -1,0 +1,128 @@
+"""Paged KV cache: per-layer K and V block pools, and how many blocks fit in memory.
+
+Layout per layer: key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]
+(block = a page of block_size slots; slot = block_id * block_size + offset). With tensor
+parallelism each rank holds its share of the KV heads: pass `tp_size` and every size below is
+per rank (num_kv_heads // tp_size); nothing else changes.
+
+Sizing: an explicit `CacheConfig.num_blocks` wins. On the CPU the budget is
+`CacheConfig.cpu_kv_cache_bytes`. On CUDA it is `gpu_memory_utilization * total` minus what is
+already in use after a profiling forward pass (weights, peak activations, the CUDA context and
+other processes), measured with `torch.cuda` memory statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from pagedinfer.engine.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVCacheSizeError(ValueError):
+    """The configuration leaves no room for even one KV block, or the request is malformed."""
+
+
+def kv_heads_per_rank(model_config: ModelConfig, tp_size: int = 1) -> int:
+    """KV heads one tensor-parallel rank stores (heads are split, never replicated, here)."""
+    if tp_size < 1 or model_config.num_kv_heads % tp_size:
+        raise KVCacheSizeError(
+            f"num_kv_heads {model_config.num_kv_heads} is not divisible by tp_size {tp_size}"
+        )
+    return model_config.num_kv_heads // tp_size
+
+
+def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one block across all layers, K and V (per rank)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = block_size * kv_heads_per_rank(model_config, tp_size) * model_config.head_dim * elem
+    return 2 * model_config.num_layers * per_layer
+
+
+def allocate_kv_caches(
+    model_config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+) -> KVCaches:
+    """One (key_cache, value_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zero-filled so that a never-written slot reads as zeros rather than NaN garbage.
+    """
+    if num_blocks < 1 or block_size < 1:
+        raise KVCacheSizeError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+    shape = (num_blocks, block_size, kv_heads_per_rank(model_config, tp_size), model_config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model_config.num_layers)
+    ]
+
+
+def _cuda_free_bytes_after(
+    profile: Callable[[], None] | None, device: torch.device, utilization: float
+) -> int:
+    """The KV budget on a CUDA device: utilization * total minus everything in use at the peak."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    if profile is not None:
+        profile()  # a forward pass at the largest batch the scheduler will send
+        torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    torch_peak = torch.cuda.max_memory_allocated(device)
+    # Memory in use that torch's allocator does not account for: CUDA context, NCCL, other processes.
+    non_torch = (total - free) - torch.cuda.memory_reserved(device)
+    budget = int(utilization * total) - torch_peak - max(0, non_torch)
+    logger.info(
+        "KV budget on %s: %.2f GiB (total %.2f, torch peak %.2f, other %.2f, utilization %.2f)",
+        device,
+        budget / 2**30,
+        total / 2**30,
+        torch_peak / 2**30,
+        non_torch / 2**30,
+        utilization,
+    )
+    return budget
+
+
+def determine_num_blocks(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    profile: Callable[[], None] | None = None,
+    tp_size: int = 1,
+) -> int:
+    """How many KV blocks to allocate (see the module docstring for the policy).
+
+    `profile` (CUDA only) runs one forward pass at peak batch size so the measured peak includes
+    activations; without it only the current allocations (e.g. the weights) are subtracted.
+    """
+    if cache_config.num_blocks is not None:
+        if cache_config.num_blocks < 1:
+            raise KVCacheSizeError(f"CacheConfig.num_blocks must be >= 1, got {cache_config.num_blocks}")
+        return cache_config.num_blocks
+    device = torch.device(device)
+    per_block = block_bytes(model_config, cache_config.block_size, dtype, tp_size)
+    if device.type == "cuda":
+        if not 0.0 < cache_config.gpu_memory_utilization <= 1.0:
+            raise KVCacheSizeError(
+                f"gpu_memory_utilization must lie in (0, 1], got {cache_config.gpu_memory_utilization}"
+            )
+        budget = _cuda_free_bytes_after(profile, device, cache_config.gpu_memory_utilization)
+    else:
+        budget = cache_config.cpu_kv_cache_bytes
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise KVCacheSizeError(
+            f"no room for the KV cache on {device}: budget {budget} bytes < one block of {per_block} bytes"
+        )
+    return int(num_blocks)
