@@ -69,12 +69,19 @@ class AccessMode(str, Enum):
     READ_WRITE_MANY = "ReadWriteMany"
 
 
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(default="api-key", min_length=1, max_length=253)
+
+
 class ModelSpec(_Model):
     """Which weights to serve: builtin://NAME, hf://ORG/NAME, pvc://CLAIM/PATH or a path in the image."""
 
     uri: str = Field(min_length=1, max_length=512)
     served_name: str | None = Field(default=None, min_length=1, max_length=128)
     revision: str | None = Field(default=None, min_length=1, max_length=128)
+    # HF_TOKEN for gated hf:// models, read by the download init container only.
+    token_secret_ref: SecretKeyRef | None = None
 
 
 class ResourcesSpec(_Model):
@@ -145,11 +152,6 @@ class ServiceSpec(_Model):
         if self.grpc_port == self.http_port:
             raise ValueError("service.grpcPort and service.httpPort must differ")
         return self
-
-
-class SecretKeyRef(_Model):
-    name: str = Field(min_length=1, max_length=253)
-    key: str = Field(default="api-key", min_length=1, max_length=253)
 
 
 class AuthSpec(_Model):

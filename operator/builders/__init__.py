@@ -1,0 +1,1 @@
+"""Pure desired-state rendering: an `InferenceEngine` spec in, Kubernetes objects (dicts) out."""
