@@ -23,8 +23,9 @@ CHARTS = ROOT / "charts"
 OPERATOR_CHART = CHARTS / "pagedinfer-operator"
 ENGINE_CHART = CHARTS / "pagedinfer-engine"
 CRD_FILE = ROOT / "manifests" / "crd" / "inferenceengines.serving.pagedinfer.io.yaml"
-# Oldest Kubernetes the charts support (kubeVersion >=1.25) and the newest schemas bundled.
-K8S_VERSIONS = ("1.25", "1.37")
+# Oldest Kubernetes the charts support (kubeVersion >=1.30: the operator's engine pods use the
+# preStop `sleep` action) and the newest schemas bundled.
+K8S_VERSIONS = ("1.30", "1.37")
 MONITORING_API = "monitoring.coreos.com/v1"
 
 
