@@ -36,9 +36,9 @@ def _decode_kernel(
     v_cache_ptr,  # [NB, BS, KVH, D]
     block_tables_ptr,  # int32 [S, MB]
     context_lens_ptr,  # int32 [S]
-    out_ptr,  # [S, H, D] (written when NUM_SPLITS == 1)
-    part_out_ptr,  # fp32 [S, H, NUM_SPLITS, D_PAD] (written when NUM_SPLITS > 1)
-    part_lse_ptr,  # fp32 [S, H, NUM_SPLITS]
+    out_ptr,  # [S, H, D] (written when not IS_SPLIT)
+    part_out_ptr,  # fp32 [S, H, num_splits, D_PAD] (written when IS_SPLIT)
+    part_lse_ptr,  # fp32 [S, H, num_splits]
     qk_scale,  # softmax scale * log2(e)
     stride_qs,
     stride_qh,
@@ -52,7 +52,8 @@ def _decode_kernel(
     stride_os,
     stride_oh,
     head_dim,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    IS_SPLIT: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -63,7 +64,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, context_len)
 
@@ -100,11 +101,11 @@ def _decode_kernel(
 
     has_keys = l_i > 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        row = (seq.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        row = (seq.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [GROUP_PAD]
         tl.store(part_out_ptr + row[:, None] * D_PAD + d[None, :], out, mask=g_mask[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
@@ -112,13 +113,13 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part_out_ptr,  # fp32 [S, H, NUM_SPLITS, D_PAD]
-    part_lse_ptr,  # fp32 [S, H, NUM_SPLITS]
+    part_out_ptr,  # fp32 [S, H, num_splits, D_PAD]
+    part_lse_ptr,  # fp32 [S, H, num_splits]
     out_ptr,  # [S, H, D]
     stride_os,
     stride_oh,
     head_dim,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
@@ -127,17 +128,34 @@ def _reduce_kernel(
     row = seq * tl.num_programs(1) + head
     p = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
-    p_mask = p < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + p, mask=p_mask, other=float("-inf"))
+    p_mask = p < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + p, mask=p_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty splits
-    parts_ptrs = part_out_ptr + (row * NUM_SPLITS + p[:, None]) * D_PAD + d[None, :]
+    parts_ptrs = part_out_ptr + (row * num_splits + p[:, None]) * D_PAD + d[None, :]
     parts = tl.load(parts_ptrs, mask=p_mask[:, None], other=0.0)  # [SPLITS_PAD, D_PAD]
     denom = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     o_ptrs = out_ptr + seq * stride_os + head * stride_oh + d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge split partials part_out fp32 [S, H, P, D_PAD] / part_lse [S, H, P] into out [S, H, D]."""
+    num_seqs, num_heads, num_splits, d_pad = part_out.shape
+    _reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.shape[2],
+        num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        D_PAD=d_pad,
+        num_warps=4,
+    )
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -190,7 +208,7 @@ def paged_decode_attention(
         )
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
-        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+        part_out = part_lse = out  # unused by the kernel without splits
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -209,7 +227,8 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         head_dim,
-        NUM_SPLITS=num_splits,
+        num_splits,
+        IS_SPLIT=num_splits > 1,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
@@ -219,16 +238,5 @@ def paged_decode_attention(
         num_stages=config.num_stages,
     )
     if num_splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            head_dim,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            D_PAD=d_pad,
-            num_warps=4,
-        )
+        reduce_splits(part_out, part_lse, out)
     return out

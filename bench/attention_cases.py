@@ -1,0 +1,264 @@
+"""Inputs, variants, tile sweeps and the plot for bench/attention.py (CUDA only)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.kernels import ops
+from pagedinfer.kernels.decode_attention import DecodeConfig
+from pagedinfer.kernels.decode_attention import paged_decode_attention as triton_decode
+from pagedinfer.kernels.extend_attention import ExtendConfig
+from pagedinfer.kernels.extend_attention import paged_extend_attention as triton_extend
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_SWEEP = [DecodeConfig(n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+EXTEND_SWEEP = [
+    ExtendConfig(m, n, w, s)
+    for m, n, w, s in [
+        (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+        (128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 2), (64, 64, 4, 4),
+    ]
+]  # fmt: skip
+
+
+def _paged_cache(num_seqs: int, seq_len: int) -> dict:
+    """Random bf16 paged caches holding num_seqs x seq_len tokens behind shuffled block tables."""
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
+    return {
+        "key_cache": torch.randn(shape, device="cuda", dtype=DTYPE),
+        "value_cache": torch.randn(shape, device="cuda", dtype=DTYPE),
+        "block_tables": tables,
+        "scale": HEAD_DIM**-0.5,
+    }
+
+
+def _contiguous(cache: torch.Tensor, tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The same tokens as a contiguous [B, KVH, seq_len, D] tensor (SDPA's layout)."""
+    b = tables.shape[0]
+    dense = cache[tables.long()].view(b, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq_len]
+    return dense.transpose(1, 2).contiguous()
+
+
+def decode_inputs(batch: int, context: int) -> dict:
+    x = _paged_cache(batch, context)
+    x["query"] = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    x["context_lens"] = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    x["context"] = context
+    return x
+
+
+def ours_decode(x: dict, config: DecodeConfig | None = None, num_splits: int | None = None):
+    args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"])
+    if config is None and num_splits is None:
+        return lambda: ops.paged_decode_attention(*args)
+    return lambda: triton_decode(*args, num_splits=num_splits, config=config)
+
+
+def _sdpa_decode_fn(q, k, v, scale, backend, form):
+    """q [B, H, D]; k/v [B, KVH, L, D]. 'grouped' runs each KV head's query group as G query rows."""
+    from torch.nn.attention import sdpa_kernel
+
+    b = q.shape[0]
+    group = NUM_HEADS // NUM_KV_HEADS
+
+    def fn():
+        with sdpa_kernel([backend]):
+            if form == "grouped":
+                out = F.scaled_dot_product_attention(
+                    q.view(b, NUM_KV_HEADS, group, HEAD_DIM), k, v, scale=scale
+                )
+            else:
+                out = F.scaled_dot_product_attention(
+                    q.view(b, NUM_HEADS, 1, HEAD_DIM), k, v, scale=scale, enable_gqa=True
+                )
+        return out.reshape(b, NUM_HEADS, HEAD_DIM)
+
+    return fn
+
+
+def _backends():
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+
+
+def best_sdpa_decode(x: dict, timer):
+    """Fastest SDPA backend x layout on a contiguous copy of the cache: (fn, 'backend/form')."""
+    k = _contiguous(x["key_cache"], x["block_tables"], x["context"])
+    v = _contiguous(x["value_cache"], x["block_tables"], x["context"])
+    best, best_ms, best_name = None, float("inf"), None
+    for (name, backend), form in itertools.product(_backends().items(), ("grouped", "gqa")):
+        fn = _sdpa_decode_fn(x["query"], k, v, x["scale"], backend, form)
+        try:
+            fn()
+        except RuntimeError:
+            continue
+        ms = timer(fn)
+        if ms < best_ms:
+            best, best_ms, best_name = fn, ms, f"{name}/{form}"
+    return best, best_name
+
+
+def gather_decode(x: dict, sdpa_name: str | None):
+    """Naive paged baseline: gather each sequence's blocks into a padded copy, then SDPA."""
+    backend_name, form = (sdpa_name or "efficient/grouped").split("/")
+    tables = x["block_tables"].long()
+    b, context = tables.shape[0], x["context"]
+
+    def fn():
+        k = x["key_cache"][tables].view(b, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
+        v = x["value_cache"][tables].view(b, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
+        return _sdpa_decode_fn(x["query"], k, v, x["scale"], _backends()[backend_name], form)()
+
+    return fn
+
+
+def cuda_decode(x: dict):
+    """The optional raw-CUDA decode kernel, or None where it cannot be built."""
+    from pagedinfer.kernels import cuda_decode as mod
+
+    ext = mod.load_extension()
+    if ext is None:
+        return None
+    args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"])
+    return lambda: mod.paged_decode_attention(ext, *args)
+
+
+def tune_decode(x: dict, timer, kv_bytes: int) -> list[dict]:
+    from pagedinfer.kernels.decode_attention import default_num_splits
+
+    base = default_num_splits(x["query"].shape[0], NUM_KV_HEADS, x["context"], x["query"].device)
+    rows = []
+    for config in DECODE_SWEEP:
+        for splits in sorted({base, max(1, base // 2), min(64, base * 2)}):
+            try:
+                ms = timer(ours_decode(x, config, splits))
+            except Exception as e:  # noqa: BLE001 - a config the compiler rejects (e.g. shared memory)
+                rows.append({"config": vars(config), "num_splits": splits, "error": str(e)[:120]})
+                continue
+            rows.append({"config": vars(config), "num_splits": splits, "ms": ms, "gbps": kv_bytes / ms / 1e6})
+    return rows
+
+
+def extend_inputs(batch: int, new: int, seq_len: int) -> dict:
+    x = _paged_cache(batch, seq_len)
+    x["query"] = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    x["query_start_loc"] = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device="cuda")
+    x["seq_lens"] = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    x["new"], x["seq_len"] = new, seq_len
+    return x
+
+
+def extend_flops(batch: int, new: int, seq_len: int) -> float:
+    """QK^T and PV over the causally visible keys only: 4 * H * D per (query, key) pair."""
+    pairs = new * (seq_len - new) + new * (new + 1) // 2
+    return 4.0 * batch * NUM_HEADS * HEAD_DIM * pairs
+
+
+def ours_extend(x: dict, config: ExtendConfig | None = None):
+    args = (
+        x["query"],
+        x["key_cache"],
+        x["value_cache"],
+        x["block_tables"],
+        x["query_start_loc"],
+        x["seq_lens"],
+    )
+    if config is None:
+        return lambda: ops.paged_extend_attention(*args, x["scale"], max_query_len=x["new"])
+    return lambda: triton_extend(*args, x["scale"], max_query_len=x["new"], config=config)
+
+
+def sdpa_prefill_variants(x: dict) -> dict:
+    """SDPA causal (bottom-right aligned when new < seq_len) per backend, on contiguous tensors."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    b, new, seq_len = x["block_tables"].shape[0], x["new"], x["seq_len"]
+    q = x["query"].view(b, new, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    k = _contiguous(x["key_cache"], x["block_tables"], seq_len)
+    v = _contiguous(x["value_cache"], x["block_tables"], seq_len)
+    group = NUM_HEADS // NUM_KV_HEADS
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = {"is_causal": True} if new == seq_len else {"attn_mask": causal_lower_right(new, seq_len)}
+
+    def make(backend, kk, vv, gqa):
+        def fn():
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(q, kk, vv, scale=x["scale"], enable_gqa=gqa, **mask)
+            return out.transpose(1, 2).reshape(b * new, NUM_HEADS, HEAD_DIM)
+
+        return fn
+
+    variants = {}
+    for name, backend in _backends().items():
+        for kk, vv, gqa in ((k, v, True), (k_rep, v_rep, False)):
+            fn = make(backend, kk, vv, gqa)
+            try:
+                fn()
+            except RuntimeError:
+                continue
+            variants[f"sdpa_{name}"] = fn
+            break
+    return variants
+
+
+def tune_extend(x: dict, timer, flops: float) -> list[dict]:
+    rows = []
+    for config in EXTEND_SWEEP:
+        try:
+            ms = timer(ours_extend(x, config))
+        except Exception as e:  # noqa: BLE001 - a config the compiler rejects (e.g. shared memory)
+            rows.append({"config": vars(config), "error": str(e)[:120]})
+            continue
+        rows.append({"config": vars(config), "ms": ms, "tflops": flops / ms / 1e9})
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
+    names = ["triton", "cuda", "sdpa", "gather"]
+    rows = result["decode"]
+    width = 0.2
+    for i, name in enumerate(names):
+        xs = [j + i * width for j, r in enumerate(rows) if name in r]
+        ys = [r[name]["gbps"] for r in rows if name in r]
+        if ys:
+            ax1.bar(xs, ys, width, label=name)
+    ax1.axhline(result["copy_gbps"], color="k", ls="--", lw=1, label="d2d copy bw")
+    ax1.set_xticks([j + 1.5 * width for j in range(len(rows))])
+    ax1.set_xticklabels([f"{r['batch']}x{r['context']}" for r in rows], rotation=45)
+    ax1.set_ylabel("KV GB/s")
+    ax1.set_title(f"paged decode, 32q/8kv d128 bf16 ({result['device']})")
+    ax1.legend()
+    prows = result["prefill"]
+    pnames = ["triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
+    for i, name in enumerate(pnames):
+        xs = [j + i * width for j, r in enumerate(prows) if "tflops" in r.get(name, {})]
+        ys = [r[name]["tflops"] for r in prows if "tflops" in r.get(name, {})]
+        if ys:
+            ax2.bar(xs, ys, width, label=name)
+    ax2.set_xticks([j + 1.5 * width for j in range(len(prows))])
+    ax2.set_xticklabels([f"{r['batch']}x{r['new_tokens']}/{r['seq_len']}" for r in prows], rotation=45)
+    ax2.set_ylabel("TFLOP/s")
+    ax2.set_title("prefill / extend (causal)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

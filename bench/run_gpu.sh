@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: build, GPU correctness checks, then every GPU benchmark.
+#
+#   bench/run_gpu.sh OUTDIR
+#
+# Works on a bare H200 machine without network (python3 3.12 with torch, triton, transformers,
+# pybind11, scikit-build-core, cmake, ninja): pure-Python wheels the project needs beyond those
+# come from the git-ignored folder .whl/ (fill it here with bench/fetch_gpu_wheels.sh; see
+# bench/gpu_requirements.md). Writes logs, JSON, plots and OUTDIR/SUMMARY.md. Budget: < 9 min.
+# Each step is one `step NAME COMMAND...` line below; a failing step is recorded and the rest
+# still run; the script exits non-zero if any step failed.
+set -uo pipefail
+OUTDIR=$(realpath -m "${1:?usage: bench/run_gpu.sh OUTDIR}")
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+FAILED=()
+SUMMARY="$OUTDIR/SUMMARY.md"
+echo "# GPU run $(date -u +%FT%TZ)" >"$SUMMARY"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$SUMMARY" 2>&1 || true
+
+step() {  # step NAME COMMAND... : log to OUTDIR/NAME.log, time it, record the status
+  local name=$1 start rc
+  shift
+  start=$(date +%s)
+  echo "== $name: $*"
+  "$@" >"$OUTDIR/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$OUTDIR/$name.log"
+  echo "- $name: rc=$rc, $(($(date +%s) - start)) s" >>"$SUMMARY"
+  [[ $rc -eq 0 ]] || FAILED+=("$name")
+  return 0
+}
+
+install_wheels() {  # carried wheels (if any) into a private site dir on PYTHONPATH
+  mkdir -p /tmp/pagedinfer-site
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/pagedinfer-site .whl/*.whl
+  else
+    echo "no .whl/ folder: using only what the machine has"
+  fi
+}
+
+# 1. environment: carried wheels, then the project itself (editable; builds the C++ extension)
+step wheels install_wheels
+export PYTHONPATH="/tmp/pagedinfer-site${PYTHONPATH:+:$PYTHONPATH}"
+step build "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir -e .
+step versions "$PY" -c "import torch, triton, pagedinfer.kernels; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+
+# 2. GPU correctness (tests marked gpu, full shapes, bf16/fp16)
+step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels
+
+# 3. benchmarks (each writes JSON + PNG + a text summary into OUTDIR)
+# shellcheck disable=SC2086  # ATTENTION_BENCH_ARGS (e.g. "--tune") splits into words
+step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
+
+# 4. summary
+for f in "$OUTDIR"/*_summary.txt; do
+  [[ -f $f ]] && { echo; echo "## $(basename "$f" _summary.txt)"; echo '```'; cat "$f"; echo '```'; } >>"$SUMMARY"
+done
+cat "$SUMMARY"
+if ((${#FAILED[@]})); then
+  echo "FAILED steps: ${FAILED[*]}"
+  exit 1
+fi
