@@ -14,6 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedinfer.engine.server.cli_args import add_serve_parser
 
     add_serve_parser(sub)
+    from pagedinfer.engine.generate_cli import add_generate_parser
+
+    add_generate_parser(sub)
     return parser
 
 

@@ -272,6 +272,7 @@ class Scheduler:
             seq_id=seq.seq_id,
             token_ids=seq.token_ids_range(start, end),
             num_computed_tokens=start,
+            num_prompt_tokens=seq.num_prompt_tokens,
             num_spec_tokens=num_spec,
             sample=sample,
             fork_rows=forks or (),

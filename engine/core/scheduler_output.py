@@ -47,6 +47,7 @@ class ScheduledSequence:
     seq_id: int
     token_ids: list[int]
     num_computed_tokens: int  # before this step
+    num_prompt_tokens: int = 0
     num_spec_tokens: int = 0  # trailing draft tokens among token_ids
     sample: SamplingRow | None = None
     fork_rows: tuple[SamplingRow, ...] = ()  # n > 1 children sampled from the same logits

@@ -1,0 +1,277 @@
+"""asyncio front of the engine: per-request output streams, abort, drain, stats.
+
+The step loop runs on a dedicated thread (model execution never blocks the event loop) and
+sleeps on a condition variable when there is nothing to do. Requests and aborts cross into
+it through a locked inbox; outputs come back to each request's asyncio queue through
+`loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pagedinfer.engine.config import EngineConfig
+from pagedinfer.engine.core.scheduler_output import StepStats
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+__all__ = ["AsyncEngine", "EngineOverloadedError", "EngineDeadError"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the client's loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+class AsyncEngine:
+    """Continuous-batching engine for asyncio servers. Build with `AsyncEngine.from_config`."""
+
+    def __init__(self, config: EngineConfig, builder: Callable | None = None) -> None:
+        self.config = config
+        self.startup_phase = "resolving"
+        self.startup_error: str | None = None
+        self._started_at = time.monotonic()
+        self._ready_at: float | None = None
+        self._builder = builder
+        self._built = None
+        self._cv = threading.Condition()
+        self._inbox: list[_NewRequest] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._accepting = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pagedinfer-engine", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Start loading on the engine thread and return at once; `startup_phase` tracks progress."""
+        engine = cls(config)
+        engine._thread.start()
+        return engine
+
+    # ---- readiness and properties -----------------------------------------------------------
+    @property
+    def startup_elapsed(self) -> float:
+        return (self._ready_at or time.monotonic()) - self._started_at
+
+    @property
+    def is_ready(self) -> bool:
+        return self.startup_phase == "ready"
+
+    async def wait_ready(self) -> None:
+        while self.startup_phase not in ("ready", "failed"):
+            await asyncio.sleep(0.02)
+        if self.startup_phase == "failed":
+            raise EngineDeadError(f"engine failed to start: {self.startup_error}")
+
+    def _require_built(self):
+        if self._built is None:
+            raise EngineDeadError(f"engine not ready (phase {self.startup_phase})")
+        return self._built
+
+    @property
+    def model_config(self):
+        return self._require_built().model_config
+
+    @property
+    def tokenizer(self):
+        return self._require_built().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._require_built().max_model_len
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.config.model
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _set_phase(self, phase: str) -> None:
+        self.startup_phase = phase
+        logger.info("engine startup: %s (%.1f s)", phase, self.startup_elapsed)
+
+    def _run(self) -> None:
+        try:
+            if self._builder is None:
+                from pagedinfer.engine.engine_builder import build_engine
+
+                self._builder = build_engine
+            self._built = self._builder(self.config, self._set_phase)
+            for callback in self._listeners:
+                self._built.core.add_step_listener(callback)
+        except Exception as exc:  # surfaced through startup_phase / startup_error
+            logger.exception("engine startup failed")
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            self.startup_phase = "failed"
+            return
+        self._ready_at = time.monotonic()
+        self._set_phase("ready")
+        self._loop(self._built.core)
+
+    def _loop(self, core) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._aborts or self._stop or core.has_unfinished()):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+                stop = self._stop
+            for request_id in aborts:
+                self._deliver(core.abort(request_id))
+            for new in inbox:
+                if stop:
+                    self._fail(new.request_id, EngineDeadError("the engine is shutting down"))
+                else:
+                    self._admit(core, new)
+            if stop and not core.has_unfinished():
+                return
+            if core.has_unfinished():
+                self._step(core)
+
+    def _admit(self, core, new: _NewRequest) -> None:
+        try:
+            core.add_request(new.request_id, new.prompt_token_ids, new.params, new.priority, new.arrival_time)
+        except (InvalidRequestError, EngineOverloadedError) as exc:
+            self._fail(new.request_id, exc)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(exc)
+
+    def _step(self, core) -> None:
+        try:
+            outputs = core.step()
+        except Exception as exc:  # fail the in-flight requests, keep serving new ones
+            logger.exception("engine step failed; aborting in-flight requests")
+            for request_id, stream in list(self._streams.items()):
+                core.abort(request_id)
+                stream.put(EngineDeadError(f"engine step failed: {exc}"))
+            self._streams.clear()
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = (
+                self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            )
+            if stream is not None:
+                stream.put(out)
+
+    # ---- public API ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs; the last has `finished=True` (and usage, timing).
+
+        Raises InvalidRequestError or EngineOverloadedError before the first output.
+        """
+        await self.wait_ready()
+        new = self._make_request(prompt, prompt_token_ids, sampling_params, priority, request_id)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._cv:
+            if not self._accepting or self._stop:
+                raise EngineDeadError("the engine is shutting down")
+            core = self._built.core
+            if core.scheduler.num_waiting + len(self._inbox) >= self.config.scheduler.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"waiting queue full (max_waiting_requests={self.config.scheduler.max_waiting_requests})"
+                )
+            if new.request_id in self._streams:
+                raise InvalidRequestError(f"request id {new.request_id!r} is already in flight")
+            self._streams[new.request_id] = stream
+            self._inbox.append(new)
+            self._cv.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # client gone or cancelled: free its blocks now
+                await self.abort(new.request_id)
+
+    def _make_request(self, prompt, prompt_token_ids, params, priority, request_id) -> _NewRequest:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("pass exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass prompt_token_ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt_token_ids]
+        self._built.core.validate(ids, params)
+        return _NewRequest(request_id or uuid.uuid4().hex, ids, params, int(priority), time.monotonic())
+
+    async def abort(self, request_id: str) -> None:
+        """Finish a request now; its stream ends with FinishReason.ABORT and its blocks are freed."""
+        with self._cv:
+            queued = [r for r in self._inbox if r.request_id == request_id]
+            self._inbox = [r for r in self._inbox if r.request_id != request_id]
+            self._aborts.append(request_id)
+            self._cv.notify()
+            stream = self._streams.pop(request_id, None) if queued else None
+        if stream is not None:  # never reached the engine thread: end its stream here
+            n = queued[0].params.n
+            deltas = [CompletionDelta(i, finish_reason=FinishReason.ABORT) for i in range(n)]
+            usage = Usage(prompt_tokens=len(queued[0].prompt_token_ids), completion_tokens=0)
+            stream.put(RequestOutput(request_id, deltas, finished=True, usage=usage))
+
+    def add_step_listener(self, callback: Callable[[StepStats], None]) -> None:
+        self._listeners.append(callback)
+        if self._built is not None:
+            self._built.core.add_step_listener(callback)
+
+    def stats(self) -> dict[str, float]:
+        if self._built is None:
+            return {"num_running": 0.0, "num_waiting": 0.0, "kv_cache_usage": 0.0}
+        return self._built.core.stats()
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), abort the rest, stop the loop."""
+        self._accepting = False
+        deadline = time.monotonic() + max(drain_timeout, 0.0)
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        with self._cv:
+            self._aborts.extend(self._streams.keys())
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 30.0)

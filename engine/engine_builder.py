@@ -1,0 +1,130 @@
+"""Assemble an EngineCore from an EngineConfig: load, size and allocate the KV cache, capture graphs.
+
+Startup phases are reported through `on_phase` ("loading_weights", "allocating_kv_cache",
+"capturing_graphs") so servers can show progress while a large model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedinfer.engine.config import EngineConfig
+from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.core.scheduler import Scheduler
+from pagedinfer.engine.engine_core import EngineCore
+from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
+from pagedinfer.engine.worker.model_runner import ModelRunner, RunnerConfig
+from pagedinfer.kernels import ops
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltEngine:
+    core: EngineCore
+    model_config: object
+    tokenizer: object
+    max_model_len: int
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda phase: None) -> BuiltEngine:
+    """Load the model and everything around it; blocking (call it off the event loop)."""
+    from pagedinfer.engine.models.loader import load_model
+    from pagedinfer.engine.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+
+    torch.manual_seed(config.seed)
+    device = resolve_device(config.device.device)
+    on_phase("loading_weights")
+    loaded = load_model(config.model, device, config.device.dtype, config.revision)
+    model, mc = loaded.model, loaded.model_config
+    dtype = model.dtype
+    sched_cfg = config.scheduler
+    max_model_len = min(sched_cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    block_size = config.cache.block_size
+    backend = ops.select_backend(device, config.device.attention_backend)
+
+    on_phase("allocating_kv_cache")
+    profile = _profile_fn(model, mc, config, device, dtype, backend) if device.type == "cuda" else None
+    num_blocks = determine_num_blocks(mc, config.cache, device, dtype, profile) - 1  # one scratch block
+    if num_blocks < 1:
+        raise ValueError("no room for the KV cache")
+    kv_caches = allocate_kv_caches(mc, num_blocks + 1, block_size, device, dtype)
+    eos = tuple(dict.fromkeys([*mc.eos_token_ids, *(getattr(loaded.tokenizer, "stop_token_ids", ()) or ())]))
+    runner = ModelRunner(
+        model,
+        kv_caches,
+        RunnerConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=sched_cfg.max_num_seqs,
+            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            device=device,
+            attention_backend=backend,
+            enable_cuda_graphs=config.device.enable_cuda_graphs,
+            eos_token_ids=eos,
+        ),
+    )
+    on_phase("capturing_graphs")
+    runner.capture_cuda_graphs()
+    watermark = int(num_blocks * sched_cfg.watermark_blocks_fraction)
+    kv = KVCacheManager(
+        num_blocks,
+        block_size,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+        watermark_blocks=watermark,
+    )
+    scheduler = Scheduler(sched_cfg, kv, max_model_len)
+    core = EngineCore(
+        scheduler, runner, loaded.tokenizer, eos_token_ids=eos, vocab_size=mc.vocab_size, seed=config.seed
+    )
+    logger.info(
+        "engine ready: %d KV blocks of %d slots, max_model_len %d on %s",
+        num_blocks,
+        block_size,
+        max_model_len,
+        device,
+    )
+    return BuiltEngine(core, mc, loaded.tokenizer, max_model_len, device)
+
+
+def _profile_fn(model, mc, config: EngineConfig, device, dtype, backend) -> Callable[[], None]:
+    """One forward at the largest step the scheduler can send, on a throwaway cache."""
+    from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
+
+    num_tokens = config.scheduler.max_num_batched_tokens
+    block_size = config.cache.block_size
+    num_blocks = -(-num_tokens // block_size)
+
+    @torch.inference_mode()
+    def run() -> None:
+        caches = allocate_kv_caches(mc, num_blocks, block_size, device, dtype)
+        md = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=device),
+            positions=torch.arange(num_tokens, device=device) % mc.max_position_embeddings,
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            logits_indices=torch.zeros(config.scheduler.max_num_seqs, dtype=torch.long, device=device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            is_pure_decode=False,
+            backend=backend,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        hidden = model(ids, md.positions, caches, md)
+        model.compute_logits(hidden[md.logits_indices])
+        del caches
+
+    return run

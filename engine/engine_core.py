@@ -1,0 +1,198 @@
+"""The engine's inner loop: step() = schedule -> execute -> update -> outputs. Single-threaded.
+
+`AsyncEngine` (async_engine.py) and `LLM` (llm.py) drive this from their own threads; nothing
+here knows about asyncio. Requests are validated at the door (`validate`) so a bad one raises
+`InvalidRequestError` before it is queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from pagedinfer.engine.core.scheduler import Scheduler
+from pagedinfer.engine.core.scheduler_output import StepStats
+from pagedinfer.engine.errors import EngineOverloadedError
+from pagedinfer.engine.output_processor import OutputProcessor
+from pagedinfer.engine.outputs import RequestOutput
+from pagedinfer.engine.request import Request
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[StepStats], None]
+
+
+class EngineCore:
+    """Owns the scheduler, the model runner and the output processor."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner,
+        tokenizer,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        vocab_size: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_model_len = scheduler.max_model_len
+        self.outputs = OutputProcessor(tokenizer, scheduler)
+        self._listeners: list[StepListener] = []
+        self._rng = random.Random(seed)
+        self._next_seq_id = 0
+        self._step = 0
+        self.num_generation_tokens_total = 0
+        self.num_prompt_tokens_total = 0
+        self._recent: list[tuple[float, int]] = []  # (time, generation tokens) for a rate
+
+    # ---- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request this engine can never serve."""
+        num = len(prompt_token_ids)
+        if num == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if num >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num} tokens; this model's context is {self.max_model_len} "
+                f"(prompt + at least one output token must fit)"
+            )
+        if self.vocab_size is not None and any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        kv = self.scheduler.kv
+        if not kv.fits_alone(num + 1):
+            raise InvalidRequestError(
+                f"the prompt needs {kv.blocks_for_tokens(num + 1)} KV blocks; the cache has {kv.num_blocks}"
+            )
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds max_num_seqs={self.scheduler.config.max_num_seqs}"
+            )
+
+    def check_capacity(self) -> None:
+        if self.scheduler.num_waiting >= self.scheduler.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{self.scheduler.num_waiting} requests already waiting "
+                f"(max_waiting_requests={self.scheduler.config.max_waiting_requests})"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue; raises InvalidRequestError / EngineOverloadedError."""
+        self.validate(prompt_token_ids, params)
+        self.check_capacity()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        sequences = [
+            self._sequence(request_id, i, prompt_token_ids, params, priority, arrival)
+            for i in range(params.n)
+        ]
+        self.scheduler.add_request(sequences[0], sequences[1:])
+        self.outputs.add(sequences)
+
+    def _sequence(self, request_id, index, prompt, params, priority, arrival) -> Request:
+        seed = None
+        if params.seed is not None:
+            seed = (params.seed * 1_000_003 + index) & ((1 << 63) - 1)
+        self._next_seq_id += 1
+        return Request(
+            seq_id=self._next_seq_id,
+            request_id=request_id,
+            index=index,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            arrival_time=arrival,
+            priority=priority,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish the request now (its blocks are freed); returns its final output, if any."""
+        aborted = self.scheduler.abort_request(request_id)
+        return self.outputs.process([], aborted) if aborted else []
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, apply results, build client outputs."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        updates = self.scheduler.update(sched, result)
+        outputs = self.outputs.process(updates, self.scheduler.take_finished())
+        self._step += 1
+        self._account(sched, updates, result, time.perf_counter() - start, len(outputs))
+        return outputs
+
+    def add_step_listener(self, callback: StepListener) -> None:
+        self._listeners.append(callback)
+
+    def _account(self, sched, updates, result, elapsed: float, num_outputs: int) -> None:
+        num_gen = sum(len(u.new_token_ids) for u in updates)
+        num_prompt = sum(
+            max(min(s.num_computed_tokens + s.num_new_tokens, s.num_prompt_tokens) - s.num_computed_tokens, 0)
+            for s in sched.sequences
+        )
+        self.num_generation_tokens_total += num_gen
+        self.num_prompt_tokens_total += num_prompt
+        now = time.monotonic()
+        self._recent.append((now, num_gen))
+        while self._recent and now - self._recent[0][0] > 10.0:
+            self._recent.pop(0)
+        if not self._listeners:
+            return
+        stats = StepStats(
+            step=self._step,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_scheduled_tokens=sched.num_scheduled_tokens,
+            num_prompt_tokens=num_prompt,
+            num_generation_tokens=num_gen,
+            num_preemptions=self.scheduler.num_preemptions_step,
+            num_finished=sum(1 for u in updates if u.is_finished),
+            num_draft_tokens=result.num_draft_tokens,
+            num_accepted_tokens=result.num_accepted_tokens,
+            kv_cache_usage=self.scheduler.kv.usage,
+            step_time_s=elapsed,
+            batch_size=len(sched.sequences),
+        )
+        for callback in self._listeners:
+            try:
+                callback(stats)
+            except Exception:  # a metrics bug must not kill the step loop
+                logger.exception("step listener failed")
+
+    def stats(self) -> dict[str, float]:
+        kv = self.scheduler.kv.stats()
+        window = [n for _, n in self._recent]
+        span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
+        return {
+            "num_running": float(self.scheduler.num_running),
+            "num_waiting": float(self.scheduler.num_waiting),
+            "kv_cache_usage": kv.get("kv_cache_usage", 0.0),
+            "fragmentation": kv.get("fragmentation_ratio", 0.0),
+            "prefix_cache_hit_rate": kv.get("prefix_cache_hit_rate", 0.0),
+            "generation_tokens_per_second": (sum(window[1:]) / span) if span > 0 else 0.0,
+            "preemptions_total": float(self.scheduler.num_preemptions_total),
+            "generation_tokens_total": float(self.num_generation_tokens_total),
+            "prompt_tokens_total": float(self.num_prompt_tokens_total),
+            "num_steps": float(self._step),
+            "gpu_idle_seconds_total": float(getattr(self.runner, "gpu_idle_s_total", 0.0)),
+            "kv_free_blocks": float(self.scheduler.kv.num_free_blocks),
+            "kv_total_blocks": float(self.scheduler.kv.num_blocks),
+        }

@@ -1,0 +1,213 @@
+"""Runs one scheduled step on the model: inputs -> forward (graph or eager) -> logits -> tokens.
+
+Speculative verification needs no special path: a sequence's drafts are extra new tokens,
+the runner takes logits at all of its last 1 + k positions, samples each with the sequence's
+parameters, and the `verifier` keeps the longest prefix of drafts the samples agree with
+(exact for greedy and for sampling: every emitted token is a sample from the target).
+A rejection sampler with draft probabilities can replace `verifier`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pagedinfer.engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    SampledTokens,
+    SamplingRow,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from pagedinfer.engine.sample.metadata import build_sampling_metadata
+from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput
+from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets
+from pagedinfer.engine.worker.input_batch import InputBatch
+from pagedinfer.kernels import ops
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    block_size: int
+    num_blocks: int  # blocks the scheduler manages; the cache holds one more (scratch)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    device: torch.device
+    attention_backend: str | None = None
+    enable_cuda_graphs: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class VerifyGroup:
+    """Rows [first_row, first_row + 1 + len(draft_token_ids)) belong to one sequence."""
+
+    seq_id: int
+    first_row: int
+    draft_token_ids: list[int]
+
+
+class Verifier(Protocol):
+    def verify(self, sampled: list[int], groups: Sequence[VerifyGroup]) -> list[list[int]]: ...
+
+
+class PrefixMatchVerifier:
+    """Accept drafts while they equal the token sampled at their position; then one more."""
+
+    def verify(self, sampled: list[int], groups: Sequence[VerifyGroup]) -> list[list[int]]:
+        out = []
+        for g in groups:
+            tokens = [sampled[g.first_row]]
+            for j, draft in enumerate(g.draft_token_ids):
+                if tokens[-1] != draft:
+                    break
+                tokens.append(sampled[g.first_row + j + 1])
+            out.append(tokens)
+        return out
+
+
+class ModelRunner:
+    """Owns the input buffers, the CUDA graphs and the sampler for one model + KV cache."""
+
+    def __init__(
+        self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], config: RunnerConfig
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.config = config
+        self.vocab_size = int(model.config.vocab_size)
+        max_blocks = -(-config.max_model_len // config.block_size)
+        self.batch = InputBatch(
+            max_num_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=max_blocks,
+            scratch_block=config.num_blocks,
+            block_size=config.block_size,
+            device=config.device,
+            backend=config.attention_backend,
+        )
+        self.sampler = Sampler()
+        self.verifier: Verifier = PrefixMatchVerifier()
+        self.graphs: CudaGraphRunner | None = None
+        self._prev_end: torch.cuda.Event | None = None
+        self.gpu_idle_s_total = 0.0
+        self.gpu_busy_s_total = 0.0
+
+    def capture_cuda_graphs(self) -> None:
+        if not (self.config.enable_cuda_graphs and self.config.device.type == "cuda"):
+            return
+        graphs = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.batch,
+            default_buckets(self.config.max_num_seqs),
+            self.config.max_model_len,
+        )
+        graphs.capture()
+        self.graphs = graphs
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward + sampling for the scheduled batch."""
+        if sched.is_empty:
+            return ModelRunnerOutput([])
+        start = self._gpu_mark_start()
+        if sched.block_copies:
+            copies = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.config.device)
+            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], copies)
+        logits_rows, rows, groups = self._sampling_plan(sched)
+        bucket = (
+            self.graphs.bucket_for(len(sched.sequences)) if self.graphs and sched.is_pure_decode else None
+        )
+        inputs = self.batch.prepare(sched, logits_rows, bucket)
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket)  # [bucket, H]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if not rows:
+            self._gpu_mark_end(start)
+            return ModelRunnerOutput([])
+        # Sampling metadata is built on the CPU while the GPU runs the forward.
+        eos = [self.config.eos_token_ids] * len(rows)
+        meta = build_sampling_metadata(rows, self.vocab_size, self.config.device, eos)
+        logits = self.model.compute_logits(hidden[inputs.attn_metadata.logits_indices])  # [N, V]
+        out = self.sampler(logits, meta)
+        result = self._collect(out, rows, groups, meta.num_logprobs)
+        self._gpu_mark_end(start)
+        return result
+
+    def _sampling_plan(
+        self, sched: SchedulerOutput
+    ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
+        qsl = sched.layout.query_start_loc
+        logits_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        groups: list[VerifyGroup] = []
+        for b, s in enumerate(sched.sequences):
+            if s.sample is None:
+                continue
+            end = int(qsl[b + 1])
+            k = s.num_spec_tokens
+            groups.append(VerifyGroup(s.seq_id, len(rows), s.token_ids[len(s.token_ids) - k :] if k else []))
+            for j in range(k + 1):
+                logits_rows.append(end - 1 - k + j)
+                pos = s.sample.output_position + j
+                rows.append(dataclasses.replace(s.sample, output_position=pos) if j else s.sample)
+            for fork in s.fork_rows:
+                groups.append(VerifyGroup(fork.seq_id, len(rows), []))
+                logits_rows.append(end - 1)
+                rows.append(fork)
+        return np.asarray(logits_rows, dtype=np.int64), rows, groups
+
+    def _collect(
+        self, out: SamplerOutput, rows: list[SamplingRow], groups: list[VerifyGroup], num_logprobs: list
+    ) -> ModelRunnerOutput:
+        sampled = out.token_ids.tolist()  # the step's one device sync
+        accepted = self.verifier.verify(sampled, groups)
+        lp = None
+        if out.logprobs is not None:
+            lp = (out.logprobs.tolist(), out.top_token_ids.tolist(), out.top_logprobs.tolist())
+        results = []
+        num_draft = num_accepted = 0
+        for g, tokens in zip(groups, accepted, strict=True):
+            num_draft += len(g.draft_token_ids)
+            num_accepted += len(tokens) - 1
+            logprobs = None
+            want = num_logprobs[g.first_row]
+            if lp is not None and want is not None:
+                logprobs = [
+                    TokenLogprobs(
+                        tokens[j],
+                        lp[0][g.first_row + j],
+                        tuple(lp[1][g.first_row + j][:want]),
+                        tuple(lp[2][g.first_row + j][:want]),
+                    )
+                    for j in range(len(tokens))
+                ]
+            results.append(SampledTokens(g.seq_id, tokens, logprobs))
+        return ModelRunnerOutput(results, num_draft_tokens=num_draft, num_accepted_tokens=num_accepted)
+
+    # ---- GPU idle-time accounting (CUDA only) --------------------------------------------------
+    def _gpu_mark_start(self) -> torch.cuda.Event | None:
+        if self.config.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _gpu_mark_end(self, start: torch.cuda.Event | None) -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        if self._prev_end is not None:
+            self.gpu_idle_s_total += self._prev_end.elapsed_time(start) / 1e3
+        self.gpu_busy_s_total += start.elapsed_time(end) / 1e3
+        self._prev_end = end
