@@ -9,6 +9,7 @@ it through a locked inbox; outputs come back to each request's asyncio queue thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -33,10 +34,9 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
+        # A closed client loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the client's loop is closed: nobody is listening any more
-            pass
 
 
 @dataclass
