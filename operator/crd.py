@@ -90,6 +90,11 @@ def _clean(node: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in node.items() if k in _KEEP and k != "anyOf"}
     if out.get("default", 0) is None:
         del out["default"]
+    # OpenAPI v3 (and so Kubernetes) spells exclusive bounds as booleans next to minimum/maximum.
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(out.get(flag), (int, float)) and not isinstance(out.get(flag), bool):
+            out[bound] = out.pop(flag)
+            out[flag] = True
     if "enum" in out and "type" not in out:
         out["type"] = "integer" if all(isinstance(v, int) for v in out["enum"]) else "string"
     return out

@@ -13,6 +13,7 @@ from pagedinfer.operator.spec import InferenceEngineSpec
 
 CONTAINER = "engine"
 INIT_CONTAINER = "fetch-model"
+DRAFT_INIT_CONTAINER = "fetch-draft-model"
 STARTUP_PERIOD_SECONDS = 10
 
 
@@ -95,8 +96,10 @@ def _pod_spec(inp: RenderInput, main: ModelSource, draft: ModelSource | None) ->
             }
         ],
     }
-    if downloads:
-        pod["initContainers"] = [_init_container(inp, [d.args() for d in downloads])]
+    inits = [(INIT_CONTAINER, main), (DRAFT_INIT_CONTAINER, draft)]
+    init_containers = [_init_container(inp, n, s.download.args()) for n, s in inits if s and s.download]
+    if init_containers:
+        pod["initContainers"] = init_containers
     if sched.node_selector:
         pod["nodeSelector"] = dict(sched.node_selector)
     tolerations = _tolerations(inp)
@@ -227,21 +230,20 @@ def _probes(inp: RenderInput) -> dict[str, Any]:
     }
 
 
-def _init_container(inp: RenderInput, downloads: list[list[str]]) -> dict[str, Any]:
-    """Fetches every remote model into the cache volume; `download` skips what is already there."""
-    script_args: list[str] = []
-    for args in downloads:
-        script_args += ["pagedinfer " + " ".join(_quote(a) for a in args)]
+def _init_container(inp: RenderInput, name: str, download_args: list[str]) -> dict[str, Any]:
+    """Fetches one remote model into the cache volume; `download` skips what is already complete."""
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
     token = inp.spec.model.token_secret_ref
     if token is not None:
         env.append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}
         )
-    container: dict[str, Any] = {
-        "name": INIT_CONTAINER,
+    return {
+        "name": name,
         "image": image(inp),
         "imagePullPolicy": inp.spec.image_pull_policy.value,
+        "command": ["pagedinfer"],
+        "args": download_args,
         "env": env,
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "volumeMounts": [
@@ -250,12 +252,6 @@ def _init_container(inp: RenderInput, downloads: list[list[str]]) -> dict[str, A
         ],
         "securityContext": container_security(inp.config.run_as_user),
     }
-    if len(downloads) == 1:
-        container["command"] = ["pagedinfer"]
-        container["args"] = downloads[0]
-    else:
-        container["command"] = ["/bin/sh", "-ec", " && ".join(script_args)]
-    return container
 
 
 def _volumes(inp: RenderInput, sources: list[ModelSource], has_models_volume: bool) -> list[dict[str, Any]]:
@@ -309,9 +305,3 @@ def container_security(uid: int) -> dict[str, Any]:
 
 def _float(value: float) -> str:
     return f"{value:g}"
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
