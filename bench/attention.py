@@ -3,10 +3,11 @@
 Decode (one query token, batch x context, 32 query / 8 KV heads, head dim 128, bf16, block 16,
 shuffled block tables): our Triton paged kernel, the optional raw-CUDA variant, torch SDPA on a
 contiguous cache (best backend and layout found), and gather-then-SDPA on the paged cache.
-Reported: median time, KV bytes read / time, its fraction of the device-to-device copy bandwidth
-measured in the same run. Prefill / extend: TFLOP/s against SDPA's causal flash path (and cuDNN).
+Reported: median time per call from CUDA-graph replay over rotated input sets (the engine replays
+decode graphs; eager times are kept too), KV bytes read / time, and its fraction of the
+device-to-device copy bandwidth measured in the same run. Prefill / extend: TFLOP/s against SDPA's causal flash path (and cuDNN).
 
-    python bench/attention.py --out bench/results [--quick] [--tune]
+    python bench/attention.py --out bench/results [--quick] [--tune decode|extend|all]
 
 Writes OUT/attention.json, OUT/attention.png and prints a table with ratios. Needs CUDA.
 """
@@ -27,6 +28,8 @@ import attention_cases as cases  # noqa: E402  (bench/ is not a package)
 
 BATCHES, CONTEXTS = (1, 16, 64, 256), (512, 2048, 8192)
 PREFILL_SHAPES = ((1, 8192, 8192), (4, 2048, 2048), (16, 512, 512), (4, 512, 4096))  # (B, new, seq_len)
+TUNE_MAX_BATCH = 16  # large batches are plain streaming: one config wins everywhere (NOTES.md)
+ROTATE_BYTES = 256 << 20  # decode input sets per shape: at least this much KV (L2 is 60 MB)
 
 
 def _bench(fn, rep_ms: int) -> float:
@@ -48,29 +51,61 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+def _bench_graph(fns: list, rep_ms: int) -> float:
+    """Median ms per call of one CUDA graph that runs every fn once, each on its own input set.
+
+    Decode runs from CUDA graphs in the engine, so this leaves host launch overhead out, and
+    rotating over input sets larger than L2 keeps each call's KV reads cold.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile, plans) outside the capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    ms = _bench(graph.replay, rep_ms) / len(fns)
+    del graph
+    return ms
+
+
 def bench_decode(batch: int, context: int, copy_gbps: float, args) -> dict:
-    x = cases.decode_inputs(batch, context)
-    kv_bytes = 2 * x["key_cache"].numel() * x["key_cache"].element_size()
-    row: dict = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
-    ours = cases.ours_decode(x)
-    ref = ours()
-    variants = {"triton": ours}
-    sdpa, sdpa_name = cases.best_sdpa_decode(x, lambda fn: _bench(fn, args.rep_ms))
-    if sdpa is not None:
-        variants["sdpa"] = sdpa
-        row["sdpa_backend"] = sdpa_name
-    variants["gather"] = cases.gather_decode(x, sdpa_name)
-    cuda_fn = cases.cuda_decode(x) if args.cuda_variant else None
-    if cuda_fn is not None:
-        variants["cuda"] = cuda_fn
-    for name, fn in variants.items():
-        err = _rel_err(fn(), ref)
-        ms = _bench(fn, args.rep_ms)
+    kv_bytes = cases.decode_kv_bytes(batch, context)
+    num_sets = min(64, -(-ROTATE_BYTES // kv_bytes))
+    sets = [cases.decode_inputs(batch, context) for _ in range(num_sets)]
+    row: dict = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "input_sets": num_sets}
+    ref = cases.ours_decode(sets[0])()
+    sdpa_name = cases.pick_sdpa_decode(sets[0], lambda fn: _bench(fn, args.rep_ms))
+    row["sdpa_backend"] = sdpa_name
+    factories = {
+        "triton": cases.ours_decode,
+        "sdpa": lambda x: cases.sdpa_decode(x, sdpa_name),
+        "gather": lambda x: cases.gather_decode(x, sdpa_name),
+    }
+    if args.cuda_lib is not None:
+        factories["cuda"] = lambda x: cases.cuda_decode(x, args.cuda_lib)
+    for name, factory in factories.items():
+        fns = [factory(x) for x in sets]
+        err = _rel_err(fns[0](), ref)
+        ms = _bench_graph(fns, args.rep_ms)
         gbps = kv_bytes / ms / 1e6
-        row[name] = {"ms": ms, "gbps": gbps, "frac_copy": gbps / copy_gbps, "rel_err_vs_triton": err}
-    if args.tune:
-        row["tune"] = cases.tune_decode(x, lambda fn: _bench(fn, max(10, args.rep_ms // 2)), kv_bytes)
-    del x
+        eager_ms = _bench(fns[0], args.rep_ms)
+        row[name] = {
+            "ms": ms,
+            "gbps": gbps,
+            "frac_copy": gbps / copy_gbps,
+            "eager_ms": eager_ms,
+            "rel_err_vs_triton": err,
+        }
+        del fns
+    if args.tune in ("decode", "all") and batch <= TUNE_MAX_BATCH:
+        row["tune"] = cases.tune_decode(
+            sets, lambda fns: _bench_graph(fns, max(10, args.rep_ms // 3)), kv_bytes
+        )
+    del sets
     torch.cuda.empty_cache()
     return row
 
@@ -90,7 +125,7 @@ def bench_prefill(batch: int, new: int, seq_len: int, args) -> dict:
             continue
         ms = _bench(fn, args.rep_ms)
         row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_triton": _rel_err(out, ref)}
-    if args.tune:
+    if args.tune in ("extend", "all"):
         row["tune"] = cases.tune_extend(x, lambda fn: _bench(fn, max(10, args.rep_ms // 2)), flops)
     del x
     torch.cuda.empty_cache()
@@ -146,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing")
-    ap.add_argument("--tune", action="store_true", help="also sweep kernel tile configs")
+    ap.add_argument(
+        "--tune", choices=("none", "decode", "extend", "all"), default="none", help="sweep tile configs"
+    )
     ap.add_argument("--no-cuda-variant", dest="cuda_variant", action="store_false")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -154,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     warnings.filterwarnings("ignore")
     args.rep_ms = 30 if args.quick else 100
+    args.cuda_lib = cases.load_cuda_variant() if args.cuda_variant else None
     torch.manual_seed(0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

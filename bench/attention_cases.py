@@ -16,7 +16,9 @@ from pagedinfer.kernels.extend_attention import paged_extend_attention as triton
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-DECODE_SWEEP = [DecodeConfig(n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+DECODE_SWEEP = [DecodeConfig(n, 4, s) for n, s in itertools.product((32, 64, 128), (2, 3, 4))] + [
+    DecodeConfig(64, 8, 3)
+]
 EXTEND_SWEEP = [
     ExtendConfig(m, n, w, s)
     for m, n, w, s in [
@@ -94,11 +96,15 @@ def _backends():
     }
 
 
-def best_sdpa_decode(x: dict, timer):
-    """Fastest SDPA backend x layout on a contiguous copy of the cache: (fn, 'backend/form')."""
+def decode_kv_bytes(batch: int, context: int) -> int:
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+
+
+def pick_sdpa_decode(x: dict, timer) -> str:
+    """Fastest SDPA 'backend/form' on a contiguous copy of the cache (eager timing)."""
     k = _contiguous(x["key_cache"], x["block_tables"], x["context"])
     v = _contiguous(x["value_cache"], x["block_tables"], x["context"])
-    best, best_ms, best_name = None, float("inf"), None
+    best_ms, best_name = float("inf"), "efficient/grouped"
     for (name, backend), form in itertools.product(_backends().items(), ("grouped", "gqa")):
         fn = _sdpa_decode_fn(x["query"], k, v, x["scale"], backend, form)
         try:
@@ -107,13 +113,21 @@ def best_sdpa_decode(x: dict, timer):
             continue
         ms = timer(fn)
         if ms < best_ms:
-            best, best_ms, best_name = fn, ms, f"{name}/{form}"
-    return best, best_name
+            best_ms, best_name = ms, f"{name}/{form}"
+    return best_name
 
 
-def gather_decode(x: dict, sdpa_name: str | None):
+def sdpa_decode(x: dict, sdpa_name: str):
+    """torch SDPA on a contiguous [B, KVH, L, D] copy of x's cache (the copy is made here, once)."""
+    backend_name, form = sdpa_name.split("/")
+    k = _contiguous(x["key_cache"], x["block_tables"], x["context"])
+    v = _contiguous(x["value_cache"], x["block_tables"], x["context"])
+    return _sdpa_decode_fn(x["query"], k, v, x["scale"], _backends()[backend_name], form)
+
+
+def gather_decode(x: dict, sdpa_name: str):
     """Naive paged baseline: gather each sequence's blocks into a padded copy, then SDPA."""
-    backend_name, form = (sdpa_name or "efficient/grouped").split("/")
+    backend_name, form = sdpa_name.split("/")
     tables = x["block_tables"].long()
     b, context = tables.shape[0], x["context"]
 
@@ -125,30 +139,35 @@ def gather_decode(x: dict, sdpa_name: str | None):
     return fn
 
 
-def cuda_decode(x: dict):
-    """The optional raw-CUDA decode kernel, or None where it cannot be built."""
+def load_cuda_variant():
+    """The optional raw-CUDA decode library, or None where it cannot be built."""
     from pagedinfer.kernels import cuda_decode as mod
 
-    ext = mod.load_extension()
-    if ext is None:
-        return None
+    return mod.load_extension()
+
+
+def cuda_decode(x: dict, lib):
+    from pagedinfer.kernels import cuda_decode as mod
+
     args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"])
-    return lambda: mod.paged_decode_attention(ext, *args)
+    return lambda: mod.paged_decode_attention(lib, *args)
 
 
-def tune_decode(x: dict, timer, kv_bytes: int) -> list[dict]:
+def tune_decode(sets: list[dict], timer, kv_bytes: int) -> list[dict]:
+    """Every DECODE_SWEEP tile config x a few split counts; timer takes one fn per input set."""
     from pagedinfer.kernels.decode_attention import default_num_splits
 
+    x = sets[0]
     base = default_num_splits(x["query"].shape[0], NUM_KV_HEADS, x["context"], x["query"].device)
+    splits_options = sorted({max(1, base // 2), base, min(64, base * 2), min(64, base * 4)})
     rows = []
-    for config in DECODE_SWEEP:
-        for splits in sorted({base, max(1, base // 2), min(64, base * 2)}):
-            try:
-                ms = timer(ours_decode(x, config, splits))
-            except Exception as e:  # noqa: BLE001 - a config the compiler rejects (e.g. shared memory)
-                rows.append({"config": vars(config), "num_splits": splits, "error": str(e)[:120]})
-                continue
-            rows.append({"config": vars(config), "num_splits": splits, "ms": ms, "gbps": kv_bytes / ms / 1e6})
+    for config, splits in itertools.product(DECODE_SWEEP, splits_options):
+        try:
+            ms = timer([ours_decode(s, config, splits) for s in sets])
+        except Exception as e:  # noqa: BLE001 - a config the compiler rejects (e.g. shared memory)
+            rows.append({"config": vars(config), "num_splits": splits, "error": str(e)[:120]})
+            continue
+        rows.append({"config": vars(config), "num_splits": splits, "ms": ms, "gbps": kv_bytes / ms / 1e6})
     return rows
 
 

@@ -116,14 +116,17 @@ def _extend_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
-def default_config(head_dim: int, device: torch.device) -> ExtendConfig:
+def default_config(head_dim: int, max_context: int, device: torch.device) -> ExtendConfig:
+    """Tiles measured on an H200 (bench/NOTES.md): wide tiles for long contexts, narrower for
+    short ones where causal-mask waste and too few programs dominate. max_context is the block
+    table's capacity (host-side, no sync)."""
     if device.type != "cuda":  # interpreter: fewer, wider programs run faster
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     if head_dim > 128:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if head_dim <= 64:
-        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return ExtendConfig()
+    if max_context >= 2048:
+        return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=4)
 
 
 def paged_extend_attention(
@@ -141,7 +144,7 @@ def paged_extend_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    config = config or default_config(head_dim, query.device)
+    config = config or default_config(head_dim, block_tables.shape[1] * block_size, query.device)
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
