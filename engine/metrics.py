@@ -87,24 +87,45 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 _ITL_BUCKETS += (0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
-# engine.stats() key -> gauge name. Missing keys are exported as 0 only for the core set.
-_STAT_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("num_running", NUM_RUNNING, "Requests in the running batch."),
-    ("num_waiting", NUM_WAITING, "Requests waiting to be scheduled."),
-    ("kv_cache_usage", KV_USAGE, "Fraction of KV-cache blocks in use (0..1)."),
-    ("fragmentation", KV_FRAGMENTATION, "Fraction of allocated KV slots holding no token (0..1)."),
-    ("prefix_cache_hit_rate", PREFIX_HIT, "Prefix-cache hit ratio over prompt tokens (0..1)."),
-    ("spec_decode_acceptance_rate", SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1)."),
-    ("generation_tokens_per_second", GEN_TPS, "Recent generation throughput of the engine."),
-    ("num_free_blocks", KV_FREE_BLOCKS, "Free KV-cache blocks (debug: leaks show here)."),
-    ("num_total_blocks", KV_TOTAL_BLOCKS, "KV-cache blocks in the pool."),
+# engine.stats() keys (first present wins) -> gauge name.
+_STAT_GAUGES: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("num_running",), NUM_RUNNING, "Requests in the running batch."),
+    (("num_waiting",), NUM_WAITING, "Requests waiting to be scheduled."),
+    (("kv_cache_usage",), KV_USAGE, "Fraction of KV-cache blocks in use (0..1)."),
+    (("fragmentation",), KV_FRAGMENTATION, "Fraction of allocated KV slots holding no token (0..1)."),
+    (("prefix_cache_hit_rate",), PREFIX_HIT, "Prefix-cache hit ratio over prompt tokens (0..1)."),
+    (("spec_decode_acceptance_rate",), SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1)."),
+    (("generation_tokens_per_second",), GEN_TPS, "Recent generation throughput of the engine."),
+    (("kv_free_blocks", "num_free_blocks"), KV_FREE_BLOCKS, "Free KV-cache blocks (debug: leaks show here)."),
+    (("kv_total_blocks", "num_total_blocks"), KV_TOTAL_BLOCKS, "KV-cache blocks in the pool."),
 )
-# engine.stats() cumulative key -> counter name.
-_STAT_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("num_preemptions_total", PREEMPTIONS_TOTAL, "Requests preempted to free KV-cache blocks."),
-    ("spec_decode_num_draft_tokens", SPEC_DRAFT_TOKENS_TOTAL, "Draft tokens proposed."),
-    ("spec_decode_num_accepted_tokens", SPEC_ACCEPTED_TOKENS_TOTAL, "Draft tokens accepted."),
+# engine.stats() cumulative keys -> counter name.
+_STAT_COUNTERS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (
+        ("preemptions_total", "num_preemptions_total"),
+        PREEMPTIONS_TOTAL,
+        "Requests preempted to free KV blocks.",
+    ),
+    (
+        ("spec_decode_draft_tokens_total", "spec_decode_num_draft_tokens"),
+        SPEC_DRAFT_TOKENS_TOTAL,
+        "Draft tokens proposed.",
+    ),
+    (
+        ("spec_decode_accepted_tokens_total", "spec_decode_num_accepted_tokens"),
+        SPEC_ACCEPTED_TOKENS_TOTAL,
+        "Draft tokens accepted.",
+    ),
 )
+
+
+def _stat(stats: Mapping[str, Any], keys: tuple[str, ...]) -> float:
+    for key in keys:
+        value = stats.get(key)
+        if value is not None:
+            return float(value)
+    return 0.0
+
 
 StatsSource = Callable[[], Mapping[str, Any] | None]
 
@@ -130,13 +151,13 @@ class _EngineStatsCollector(Collector):
 
     def _families(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
         labels = [self._model]
-        for key, name, doc in _STAT_GAUGES:
+        for keys, name, doc in _STAT_GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["model"])
-            family.add_metric(labels, float(stats.get(key) or 0.0))
+            family.add_metric(labels, _stat(stats, keys))
             yield family
-        for key, name, doc in _STAT_COUNTERS:
+        for keys, name, doc in _STAT_COUNTERS:
             family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
-            family.add_metric(labels, float(stats.get(key) or 0.0))
+            family.add_metric(labels, _stat(stats, keys))
             yield family
         ready = GaugeMetricFamily(
             SERVER_READY, "1 when serving, 0 while loading or draining.", labels=["model"]
@@ -154,7 +175,7 @@ class _EngineStatsCollector(Collector):
         )
         for name, key, doc in aliases:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model], float(stats.get(key) or 0.0))
+            family.add_metric([self._model], _stat(stats, (key,)))
             yield family
 
 
@@ -199,6 +220,11 @@ class ServingMetrics:
         self.requests = Counter(
             _counter_family(REQUESTS_TOTAL), "Finished requests.", ["model", "finish_reason"], registry=r
         )
+        # Series exist (at zero) from the first scrape, not only after the first request.
+        for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_hist, self.gen_hist):
+            metric.labels(model)
+        self.prompt_total.labels(model)
+        self.gen_total.labels(model)
 
     def attach_engine(self, stats: StatsSource, is_ready: Callable[[], bool]) -> None:
         """Export the engine's scrape-time series; call once, before serving /metrics."""

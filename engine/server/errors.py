@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedinfer.engine.sampling_params import InvalidRequestError
 from pagedinfer.engine.server.engine_handle import NotServingError
 from pagedinfer.engine.server.generation import ModelNotFoundError
@@ -43,16 +43,6 @@ class ClassifiedError:
         return HTTP_STATUS[self.kind]
 
 
-@functools.cache
-def overload_error_types() -> tuple[type[BaseException], ...]:
-    """The engine's overload error, looked up lazily (async_engine imports torch)."""
-    try:
-        from pagedinfer.engine.async_engine import EngineOverloadedError
-    except ImportError:
-        return ()
-    return (EngineOverloadedError,)
-
-
 def classify(exc: BaseException) -> ClassifiedError:
     if isinstance(exc, ModelNotFoundError):
         return ClassifiedError(ErrorKind.NOT_FOUND, str(exc))
@@ -60,7 +50,9 @@ def classify(exc: BaseException) -> ClassifiedError:
         return ClassifiedError(ErrorKind.INVALID, str(exc))
     if isinstance(exc, NotServingError):
         return ClassifiedError(ErrorKind.UNAVAILABLE, str(exc), exc.retry_after_seconds)
-    if isinstance(exc, overload_error_types()):
+    if isinstance(exc, EngineDeadError):
+        return ClassifiedError(ErrorKind.UNAVAILABLE, f"server is shutting down: {exc}", 1)
+    if isinstance(exc, EngineOverloadedError):
         retry = getattr(exc, "retry_after_seconds", None) or 1
         return ClassifiedError(ErrorKind.OVERLOADED, str(exc) or "server overloaded", int(retry))
     return ClassifiedError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")

@@ -172,11 +172,18 @@ class GenerationService:
                 raise InvalidRequestError(
                     f"unknown message role '{m.role}' (expected one of {', '.join(_ROLES)})"
                 )
-        rendered = engine.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
-        )
+        tokenizer = engine.tokenizer
+        dicts = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            if hasattr(tokenizer, "encode_chat"):
+                return list(tokenizer.encode_chat(dicts, add_generation_prompt=True))
+            rendered = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:  # the tokenizer's ChatTemplateError: a bad conversation, not a crash
+            raise InvalidRequestError(str(e)) from e
         if isinstance(rendered, str):
-            return list(engine.tokenizer.encode(rendered))
+            return list(tokenizer.encode(rendered, add_special_tokens=False))
         return list(rendered)
 
     def _check_length(self, engine: Any, num_prompt_tokens: int, params: SamplingParams) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -129,6 +131,29 @@ def response_to_pb(out: RequestOutput) -> pb.GenerateResponse:
     return msg
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What a request that is not valid protobuf deserializes to (answered INVALID_ARGUMENT)."""
+
+    error: str
+
+
+def _lenient(message_cls: type) -> Callable[[bytes], Any]:
+    # grpc answers INTERNAL when a deserializer raises; malformed input is the client's error.
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:
+            return MalformedRequest(f"malformed {message_cls.DESCRIPTOR.name} protobuf: {e}")
+
+    return deserialize
+
+
+async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, MalformedRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+
+
 async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     err = classify(exc)
     if err.kind is ErrorKind.INTERNAL:
@@ -145,6 +170,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        await _reject_malformed(request, context)
         try:
             gen_request = GenerationRequest(
                 prompt=prompt_from_pb(request),
@@ -166,6 +192,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
+        await _reject_malformed(request, context)
         try:
             engine = self.service.handle.require_engine()
             ids = self.service.prompt_token_ids(engine, prompt_from_pb(request))
@@ -177,6 +204,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
+        await _reject_malformed(request, context)
         try:
             engine = self.service.handle.require_engine()
         except Exception as e:
@@ -232,6 +260,29 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=des, response_serializer=ser)
 
 
+def _service_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """Like the generated add_..._to_server, but with deserializers that never raise."""
+    unary_stream, unary_unary = grpc.unary_stream_rpc_method_handler, grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Generate": unary_stream(
+            servicer.Generate,
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Tokenize": unary_unary(
+            servicer.Tokenize,
+            request_deserializer=_lenient(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
+        "GetModelInfo": unary_unary(
+            servicer.GetModelInfo,
+            request_deserializer=_lenient(pb.GetModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
 class GrpcServer:
     """The gRPC side of one server process."""
 
@@ -243,7 +294,7 @@ class GrpcServer:
         ]
         interceptors = [_AuthInterceptor(auth)] if auth.enabled else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(service), self.server)
+        self.server.add_generic_rpc_handlers((_service_handler(InferenceServicer(service)),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (

@@ -19,10 +19,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedinfer.engine.config import ServerConfig
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedinfer.engine.sampling_params import InvalidRequestError
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.engine_handle import NotServingError
-from pagedinfer.engine.server.errors import ClassifiedError, ErrorKind, classify, overload_error_types
+from pagedinfer.engine.server.errors import ClassifiedError, ErrorKind, classify
 from pagedinfer.engine.server.generation import GenerationService
 from pagedinfer.engine.server.openai_api import OpenAIRoutes
 from pagedinfer.engine.server.openai_protocol import error_body
@@ -131,7 +132,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(PayloadTooLargeError, on_too_large)
     # Expected errors by class (handled inside the app, not re-raised by ServerErrorMiddleware).
-    for exc_type in (InvalidRequestError, NotServingError, *overload_error_types()):
+    for exc_type in (InvalidRequestError, NotServingError, EngineOverloadedError, EngineDeadError):
         app.add_exception_handler(exc_type, on_any)
     app.add_exception_handler(Exception, on_any)
 

@@ -29,10 +29,9 @@ logger = logging.getLogger("pagedinfer.server")
 
 
 def served_model_name(config: EngineConfig) -> str:
-    """The name clients send as `model`: --served-model-name, else the model URI's last part."""
-    if config.served_model_name:
-        return config.served_model_name
-    return config.model.rstrip("/").split("://")[-1].split("/")[-1] or config.model
+    """The name clients send as `model`: --served-model-name, else the model URI (as vLLM does;
+    the same rule as AsyncEngine.served_model_name, known here before the engine exists)."""
+    return config.served_model_name or config.model
 
 
 def describe_urls(config: ServerConfig, http_port: int, grpc_port: int) -> str:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
@@ -185,12 +186,15 @@ class WebSocketGateway:
         self.router = APIRouter()
         self.router.add_api_websocket_route("/v1/ws", self.endpoint)
 
-    def origin_allowed(self, origin: str | None) -> bool:
+    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
+        """Non-browser clients send no Origin; the demo page (same origin) is always allowed."""
         allowed = self.config.allowed_origins
-        return origin is None or "*" in allowed or origin in allowed
+        if origin is None or "*" in allowed or origin in allowed:
+            return True
+        return host is not None and urlsplit(origin).netloc == host
 
     async def endpoint(self, ws: WebSocket) -> None:
-        if not self.origin_allowed(ws.headers.get("origin")):
+        if not self.origin_allowed(ws.headers.get("origin"), ws.headers.get("host")):
             await ws.close(code=WS_POLICY_VIOLATION, reason="origin not allowed")
             return
         await ws.accept()

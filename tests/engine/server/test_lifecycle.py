@@ -1,0 +1,86 @@
+"""Startup is observable while the model loads; SIGTERM drains in-flight requests and exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def test_startup_probes_while_loading_then_sigterm_drain(server_proc_cls) -> None:
+    proc = server_proc_cls().start()
+    try:
+        phases = _watch_startup(proc)
+        assert phases[0][0] == 503 and phases[-1] == (200, "ready"), phases
+        assert any(code == 503 and phase not in ("ready", "failed") for code, phase in phases), phases
+        log = proc.log()
+        line = next(li for li in log.splitlines() if "serving:" in li)
+        for url in ("/v1", "/v1/ws", "/metrics", f":{proc.grpc_port}", "/ready"):
+            assert url in line, line
+        _drain(proc)
+    finally:
+        proc.stop()
+    assert proc.proc.returncode == 0, proc.log()[-4000:]
+
+
+def _watch_startup(proc) -> list[tuple[int, str]]:
+    """Poll /startup and /health from the moment HTTP answers until the model is loaded."""
+    seen: list[tuple[int, str]] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{proc.http}/startup", timeout=2)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        assert httpx.get(f"{proc.http}/health", timeout=2).status_code == 200
+        entry = (r.status_code, r.json()["phase"])
+        if not seen or seen[-1] != entry:
+            seen.append(entry)
+        if r.status_code == 200:
+            return seen
+        assert httpx.get(f"{proc.http}/ready", timeout=2).status_code == 503
+        time.sleep(0.05)
+    raise AssertionError(f"never became ready: {seen}\n{proc.log()[-3000:]}")
+
+
+def _drain(proc) -> None:
+    body = {"prompt": "Tell me a story.", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    chunks: list[dict] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{proc.http}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(120)
+    proc.proc.send_signal(signal.SIGTERM)
+    _expect_refusing(proc)
+    reader.join(120)
+    assert proc.proc.wait(60) == 0, proc.log()[-4000:]
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finals and finals[-1]["choices"][0]["finish_reason"] == "length", chunks[-2:]
+    assert sum(1 for c in chunks if c["choices"]) == 24  # the in-flight request ran to its end
+
+
+def _expect_refusing(proc) -> None:
+    """Right after SIGTERM: not ready, new requests refused, gRPC health NOT_SERVING."""
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{proc.http}/ready", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = httpx.post(f"{proc.http}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    with grpc.insecure_channel(proc.grpc_target) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING

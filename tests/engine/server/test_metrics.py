@@ -1,0 +1,71 @@
+"""ServingMetrics: every declared name is exported, per-server registries, vllm:* aliases."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedinfer.engine import metrics as m
+from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, RequestTiming, Usage
+
+
+def _samples(registry) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _family_names(registry) -> set[str]:
+    names = set()
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        if family.name.endswith("_created"):
+            continue  # prometheus_client's creation timestamps
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+def _final(prompt: int, completion: int) -> RequestOutput:
+    timing = RequestTiming(
+        queue_time=0.01, time_to_first_token=0.2, decode_time=0.5, e2e_latency=0.7, tokens_per_second=14.0
+    )
+    delta = CompletionDelta(index=0, text="x", token_ids=[1], finish_reason=FinishReason.LENGTH)
+    return RequestOutput("r", [delta], finished=True, usage=Usage(prompt, completion), timing=timing)
+
+
+def test_every_declared_name_is_exported() -> None:
+    sm = m.ServingMetrics("tiny")
+    sm.attach_engine(lambda: {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25}, lambda: True)
+    sm.observe_finished(_final(5, 3), "length")
+    sm.observe_step_gap(0.1, 2)
+    assert _family_names(sm.registry) == set(m.METRIC_NAMES)
+    s = _samples(sm.registry)
+    assert s[("vllm:num_requests_running", (("model_name", "tiny"),))] == 2
+    assert s[("pagedinfer_kv_cache_usage_ratio", (("model", "tiny"),))] == 0.25
+    assert s[("pagedinfer_requests_total", (("finish_reason", "length"), ("model", "tiny")))] == 1
+    assert s[("pagedinfer_generation_tokens_total", (("model", "tiny"),))] == 3
+    assert s[("pagedinfer_inter_token_latency_seconds_sum", (("model", "tiny"),))] == 0.05
+    assert s[("pagedinfer_server_ready", (("model", "tiny"),))] == 1
+
+
+def test_vllm_names_switch_off_and_registries_are_independent() -> None:
+    a = m.ServingMetrics("a", enable_vllm_metrics=False)
+    b = m.ServingMetrics("b")
+    a.attach_engine(lambda: None, lambda: False)  # still loading: stats unavailable
+    b.attach_engine(lambda: {}, lambda: True)
+    a.observe_finished(_final(4, 2), "stop")
+    assert not _family_names(a.registry) & set(m.VLLM_METRIC_NAMES)
+    assert set(m.VLLM_METRIC_NAMES) <= _family_names(b.registry)
+    assert ("pagedinfer_requests_total", (("finish_reason", "stop"), ("model", "b"))) not in _samples(
+        b.registry
+    )
+
+
+def test_abandoned_request_counts_as_abort_without_latency() -> None:
+    sm = m.ServingMetrics("t")
+    sm.observe_finished(None, "abort")
+    s = _samples(sm.registry)
+    assert s[("pagedinfer_requests_total", (("finish_reason", "abort"), ("model", "t")))] == 1
+    assert s[("pagedinfer_e2e_request_latency_seconds_count", (("model", "t"),))] == 0
