@@ -50,7 +50,8 @@ BLOCKER = r"""
 import importlib, importlib.abc, importlib.metadata as md, pkgutil, re, sys
 
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-allowed, todo = set(), [norm(n) for n in sys.argv[1].split(",")] + ["paged-infer"]
+# paged-infer itself is in (installed --no-deps: its own requirements are not followed).
+allowed, todo = {"paged-infer"}, [norm(n) for n in sys.argv[1].split(",")]
 while todo:  # the transitive closure of the image's requirements
     name = todo.pop()
     if name in allowed:
