@@ -24,6 +24,7 @@ class DraftRequest:
 
     row: SamplingRow
     max_draft_tokens: int  # >= 1; already capped by max_tokens and the context length
+    eos_token_ids: tuple[int, ...] = ()  # for min_tokens bans when processing q like p
 
     @property
     def seq_id(self) -> int:

@@ -1,0 +1,141 @@
+"""The engine's one collaborator for speculative decoding.
+
+Two one-line call sites:
+  engine, after `scheduler.update`:     spec.after_step(sched, result, scheduler.running)
+      (learns the step's acceptance, then sets `spec_token_ids` of the sequences that draft)
+  runner, when a step carries drafts:   result = spec.sample(logits, meta, groups)
+The scheduler schedules each draft as one more new token of its sequence and rolls the KV
+cache back (`KVCacheManager.truncate`) past the first rejected draft; the runner lays out
+k + 1 logits rows per verifying sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedinfer.engine.config import SpeculativeConfig
+from pagedinfer.engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    SamplingRow,
+    SchedulerOutput,
+)
+from pagedinfer.engine.request import Request, RequestStatus
+from pagedinfer.engine.sample.metadata import SamplingMetadata
+from pagedinfer.engine.sample.sampler import Sampler
+from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
+from pagedinfer.engine.spec_decode.proposer import DraftRequest, Proposer
+from pagedinfer.engine.spec_decode.verifier import SpecVerifier
+from pagedinfer.engine.worker.model_runner import VerifyGroup
+
+
+class SpeculativeDecoder:
+    """Drafts for running sequences, verifies them in the target's step, keeps the statistics."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        max_model_len: int,
+        sampler: Sampler | None = None,
+    ) -> None:
+        if config.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.policy = SpeculationPolicy(config)
+        self.verifier = SpecVerifier(sampler or Sampler())
+        self.stats = SpeculationStats()
+        self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, V] q of its pending drafts
+        self._known: set[int] = set()  # seq ids the proposer may hold state for
+
+    def propose(self, running: Sequence[Request]) -> int:
+        """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""
+        self._draft_probs.clear()
+        self._forget_gone(running)
+        if not self.policy.is_step_enabled(len(running)):
+            return 0
+        candidates = [seq for seq in running if self._max_drafts(seq) > 0]
+        candidates = [seq for seq in candidates if self.policy.should_speculate(seq.seq_id)]
+        if not candidates:
+            return 0
+        requests = [DraftRequest(_row(seq), self._max_drafts(seq), seq.eos_token_ids) for seq in candidates]
+        proposals = self.proposer.propose(requests)
+        self._known.update(seq.seq_id for seq in candidates)
+        num_drafts = 0
+        for b, (seq, drafts) in enumerate(zip(candidates, proposals.token_ids, strict=True)):
+            seq.spec_token_ids = list(drafts)
+            num_drafts += len(drafts)
+            if proposals.probs is not None and drafts:
+                self._draft_probs[seq.seq_id] = proposals.probs[b, : len(drafts)]
+        return num_drafts
+
+    def _max_drafts(self, seq: Request) -> int:
+        """Drafts this sequence may take: 0 unless it is decoding and wants speculation."""
+        params = seq.sampling_params
+        if (
+            seq.status is not RequestStatus.RUNNING
+            or not params.use_speculation
+            or seq.num_computed_tokens != seq.num_tokens - 1  # still prefilling
+            or seq.pending_children
+        ):
+            return 0
+        limit = self.config.num_speculative_tokens
+        # One step emits up to k + 1 tokens: stay within max_tokens and the context.
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
+        return max(min(limit, self.max_model_len - seq.num_tokens - 1), 0)
+
+    def _forget_gone(self, running: Sequence[Request]) -> None:
+        live = {seq.seq_id for seq in running}
+        for seq_id in self._known - live:
+            self.free(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        """Forget a finished / aborted / preempted sequence (its draft KV blocks too)."""
+        self.proposer.free(seq_id)
+        self.policy.forget(seq_id)
+        self._draft_probs.pop(seq_id, None)
+        self._known.discard(seq_id)
+
+    # ---- runner: a step with verification groups ----------------------------------------------
+    def sample(
+        self, logits: torch.Tensor, meta: SamplingMetadata, groups: Sequence[VerifyGroup]
+    ) -> ModelRunnerOutput:
+        """Tokens for every group of the step: accepted drafts + one, or one ordinary draw."""
+        return self.verifier.sample(logits, meta, groups, self._draft_probs)
+
+    # ---- engine: after scheduler.update ---------------------------------------------------------
+    def after_step(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, running: Sequence[Request]
+    ) -> None:
+        """The engine's one call per step: learn from this step's verifications, draft the next."""
+        self.observe(sched, result)
+        self.propose(running)
+
+    def observe(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Feed acceptance per sequence to the policy and the totals."""
+        num_spec = {s.seq_id: s.num_spec_tokens for s in sched.sequences if s.num_spec_tokens > 0}
+        for sampled in result.sampled:
+            k = num_spec.get(sampled.seq_id, 0)
+            if k == 0:
+                continue
+            accepted = len(sampled.token_ids) - 1
+            self.policy.observe(sampled.seq_id, k, accepted)
+            self.stats.num_draft_tokens += k
+            self.stats.num_accepted_tokens += accepted
+            self.stats.num_verified_sequences += 1
+            self.stats.num_emitted_tokens += accepted + 1
+
+
+def _row(seq: Request) -> SamplingRow:
+    return SamplingRow(
+        seq_id=seq.seq_id,
+        sampling_params=seq.sampling_params,
+        seed=seq.seed,
+        output_position=seq.num_output_tokens,
+        prompt_token_ids=seq.prompt_token_ids,
+        output_token_ids=seq.output_token_ids,
+    )

@@ -1,0 +1,211 @@
+"""Draft-model proposer: a smaller model with the target's vocabulary and its own paged KV cache.
+
+Each engine step it runs K forwards for all drafting sequences at once: the first catches its
+cache up with the sequence (the tokens accepted since last time, or the whole prompt on first
+sight), each later one decodes the previous draft. Its cache is managed by its own
+`KVCacheManager` (its own block manager); after verification it keeps the longest prefix that
+still matches the sequence and truncates the rest (rejected drafts), exactly like the target.
+
+q is the draft's distribution processed with the sequence's sampling parameters exactly as the
+target's p is (penalties over outputs + earlier drafts, temperature, top-k/p, min-p, bans), and
+draft tokens are drawn from it with noise keyed by a salted seed, independent of the noise that
+the rejection sampler later uses at the same positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.core.scheduler_output import SamplingRow
+from pagedinfer.engine.sample.metadata import build_sampling_metadata
+from pagedinfer.engine.sample.sampler import Sampler
+from pagedinfer.engine.spec_decode.proposer import DraftProposals, DraftRequest
+from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
+from pagedinfer.kernels import ops
+
+_DRAFT_SALT = 0x2545F4914F6CDD1D  # < 2**63: keeps salted seeds non-negative
+
+
+class DraftModelError(ValueError):
+    """A draft model that cannot serve this target (vocabulary mismatch, bad specification)."""
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer) -> None:
+    """Raise DraftModelError unless both tokenizers map the same strings to the same ids."""
+    if target_tokenizer is None or draft_tokenizer is None:
+        raise DraftModelError("the target and the draft model both need a tokenizer to check vocabularies")
+    target_vocab = target_tokenizer.backend.get_vocab(with_added_tokens=True)
+    draft_vocab = draft_tokenizer.backend.get_vocab(with_added_tokens=True)
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise DraftModelError(
+            f"the draft model's vocabulary ({len(draft_vocab)} tokens) differs from the target's "
+            f"({len(target_vocab)} tokens), e.g. {differing}; speculative decoding needs a draft "
+            "model with the target's tokenizer"
+        )
+
+
+@dataclass
+class _DraftSeq:
+    """What the draft cache holds for one sequence."""
+
+    cached_ids: list[int]  # tokens whose K/V are in the draft cache, in order
+    num_known: int  # real (non-draft) tokens of the sequence at the last proposal
+
+
+class DraftModelProposer:
+    """Proposer running a draft model (any module with the `LlamaForCausalLM` call interface)."""
+
+    def __init__(
+        self,
+        model,
+        kv: KVCacheManager,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        num_speculative_tokens: int,
+        target_vocab_size: int,
+        attention_backend: str | None = None,
+    ) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.model = model
+        self.kv = kv
+        self.kv_caches = kv_caches
+        self.num_speculative_tokens = num_speculative_tokens
+        self.vocab_size = target_vocab_size
+        self.backend = attention_backend
+        self.sampler = Sampler()
+        self.device = model.device
+        self._seqs: dict[int, _DraftSeq] = {}
+        self._computed: dict[int, int] = {}  # tokens per sequence whose K/V are written
+
+    # ---- Proposer -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
+        num_reqs = len(requests)
+        k_max = min(self.num_speculative_tokens, max((r.max_draft_tokens for r in requests), default=0))
+        drafts: list[list[int]] = [[] for _ in range(num_reqs)]
+        probs = torch.zeros(
+            (num_reqs, max(k_max, 1), self.vocab_size), dtype=torch.float32, device=self.device
+        )
+        active = [b for b, r in enumerate(requests) if self._catch_up(r)]
+        for step in range(k_max):
+            if step > 0:  # feed the previous draft
+                active = [b for b in active if step < requests[b].max_draft_tokens]
+                active = [b for b in active if self._append(requests[b].seq_id, [drafts[b][-1]])]
+            if not active:
+                break
+            seq_ids = [requests[b].seq_id for b in active]
+            num_new = [len(self._seqs[s].cached_ids) - self._computed[s] for s in seq_ids]
+            logits = self._forward(seq_ids, num_new)  # [A, V]
+            tokens, q = self._sample(logits, [requests[b] for b in active], [drafts[b] for b in active])
+            for i, b in enumerate(active):
+                drafts[b].append(tokens[i])
+                probs[b, step] = q[i]
+        for request in requests:
+            state = self._seqs.get(request.seq_id)
+            if state is not None:
+                state.num_known = request.num_tokens
+        return DraftProposals(token_ids=drafts, probs=probs)
+
+    def free(self, seq_id: int) -> None:
+        if self._seqs.pop(seq_id, None) is not None:
+            self._computed.pop(seq_id, None)
+            self.kv.free(seq_id)
+
+    # ---- cache bookkeeping ----------------------------------------------------------------------
+    def _catch_up(self, request: DraftRequest) -> bool:
+        """Make the draft cache hold a prefix of the sequence and room for the rest; False: no room."""
+        tokens = request.token_ids()
+        state = self._seqs.get(request.seq_id)
+        if state is None:
+            num_cached = self.kv.allocate(request.seq_id, tokens)
+            if num_cached is None:
+                return False
+            self._seqs[request.seq_id] = _DraftSeq(list(tokens), len(tokens))
+            self._computed[request.seq_id] = num_cached
+            return True
+        keep = _common_prefix(state.cached_ids, tokens, start=min(state.num_known, len(tokens)))
+        keep = min(keep, len(tokens) - 1)  # at least one token to run: its logits give draft 1
+        if keep < len(state.cached_ids):
+            self.kv.truncate(request.seq_id, keep)
+            del state.cached_ids[keep:]
+        self._computed[request.seq_id] = keep
+        return self._append(request.seq_id, tokens[keep:])
+
+    def _append(self, seq_id: int, token_ids: list[int]) -> bool:
+        copies = self.kv.append(seq_id, token_ids)
+        if copies is None:  # the draft cache is full: stop drafting for this sequence
+            self.free(seq_id)
+            return False
+        if copies:
+            pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)
+            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+        self._seqs[seq_id].cached_ids.extend(token_ids)
+        return True
+
+    # ---- model ----------------------------------------------------------------------------------
+    def _forward(self, seq_ids: list[int], num_new: list[int]) -> torch.Tensor:
+        """Run the uncomputed tokens of each sequence; logits [A, V] at each one's last token."""
+        computed = [self._computed[s] for s in seq_ids]
+        layout = self.kv.build_batch(seq_ids, computed, num_new)
+        md = AttentionMetadata.from_batch(layout, self.device, backend=self.backend)
+        input_ids = [
+            t
+            for s, c, n in zip(seq_ids, computed, num_new, strict=True)
+            for t in self._seqs[s].cached_ids[c : c + n]
+        ]
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
+        hidden = self.model(ids, md.positions, self.kv_caches, md)  # [T, hidden]
+        logits = self.model.compute_logits(hidden[md.logits_indices])  # [A, V_draft]
+        for s, c, n in zip(seq_ids, computed, num_new, strict=True):
+            self._computed[s] = c + n
+        self.kv.mark_computed(seq_ids, [self._computed[s] for s in seq_ids])
+        return _fit_vocab(logits, self.vocab_size)
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[DraftRequest], drafts: list[list[int]]
+    ) -> tuple[list[int], torch.Tensor]:
+        """Process like the target at each row's next output position; draw with salted noise."""
+        rows = [_position_row(r.row, d) for r, d in zip(requests, drafts, strict=True)]
+        meta = build_sampling_metadata(
+            rows, self.vocab_size, self.device, [r.eos_token_ids for r in requests]
+        )
+        processed = self.sampler.process(logits, meta)  # [A, V]
+        if meta.seeds is not None:
+            meta.seeds = meta.seeds ^ _DRAFT_SALT
+        tokens = self.sampler.draw(processed, meta).tolist()
+        return tokens, processed.softmax(dim=-1)  # q [A, V]
+
+
+def _position_row(row: SamplingRow, drafts: list[int]) -> SamplingRow:
+    """The sampling row of the next draft: output position and penalty history past `drafts`."""
+    if not drafts:
+        return row
+    history = [*row.output_token_ids[: row.output_position], *drafts]
+    return dataclasses.replace(
+        row, output_position=row.output_position + len(drafts), output_token_ids=history
+    )
+
+
+def _common_prefix(cached: list[int], tokens: list[int], start: int) -> int:
+    """Length of the common prefix; positions before `start` are known to agree."""
+    limit = min(len(cached), len(tokens))
+    i = min(start, limit)
+    while i < limit and cached[i] == tokens[i]:
+        i += 1
+    return i
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits [A, V_draft] -> [A, V_target]: ids beyond the shared tokenizer never win."""
+    if logits.shape[1] == vocab_size:
+        return logits
+    if logits.shape[1] > vocab_size:
+        return logits[:, :vocab_size]
+    pad = logits.new_full((logits.shape[0], vocab_size - logits.shape[1]), float("-inf"))
+    return torch.cat([logits, pad], dim=1)

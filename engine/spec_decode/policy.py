@@ -1,0 +1,81 @@
+"""When to speculate: per engine step (batch size) and per sequence (running acceptance rate).
+
+Speculation pays when decoding is memory-bound: at large batches the K extra verification rows
+per sequence cost real compute, so the whole step goes without drafts above `max_batch_size`.
+A sequence whose drafts keep being rejected pays K rows for nothing: once its exponentially
+averaged acceptance rate falls below `min_acceptance_rate` it pauses, and probes again after
+`probe_interval` steps so a sequence that turns repetitive later can benefit again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedinfer.engine.config import SpeculativeConfig
+
+
+@dataclass
+class _SequenceStats:
+    acceptance_ema: float = 1.0  # optimistic start: a fresh sequence always gets to try
+    num_observations: int = 0
+    paused_steps_left: int = 0
+
+
+@dataclass
+class SpeculationStats:
+    """Totals since the engine started (for metrics and benchmarks)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verified_sequences: int = 0  # sequence-steps that verified at least one draft
+    num_emitted_tokens: int = 0  # tokens those sequence-steps emitted (accepted + 1 each)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying sequence-step (1 + accepted drafts on average)."""
+        return self.num_emitted_tokens / self.num_verified_sequences if self.num_verified_sequences else 0.0
+
+
+@dataclass
+class SpeculationPolicy:
+    """Adaptive on/off decisions; `observe` feeds it each verification's outcome."""
+
+    config: SpeculativeConfig
+    ema_decay: float = 0.8  # weight of the history: ~5 verifications dominate
+    min_observations: int = 2  # never pause on a single unlucky step
+    probe_interval: int = 16  # steps a paused sequence waits before trying again
+    _seqs: dict[int, _SequenceStats] = field(default_factory=dict)
+
+    def is_step_enabled(self, num_running: int) -> bool:
+        return self.config.method is not None and num_running <= self.config.max_batch_size
+
+    def should_speculate(self, seq_id: int) -> bool:
+        """Whether this sequence drafts this step (counts down a pause as a side effect)."""
+        stats = self._seqs.get(seq_id)
+        if stats is None or stats.paused_steps_left == 0:
+            return True
+        stats.paused_steps_left -= 1
+        if stats.paused_steps_left == 0:
+            self._seqs[seq_id] = _SequenceStats()  # probe afresh
+            return True
+        return False
+
+    def observe(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts <= 0:
+            return
+        stats = self._seqs.setdefault(seq_id, _SequenceStats())
+        rate = num_accepted / num_drafts
+        stats.acceptance_ema = self.ema_decay * stats.acceptance_ema + (1 - self.ema_decay) * rate
+        stats.num_observations += 1
+        if (
+            stats.num_observations >= self.min_observations
+            and stats.acceptance_ema < self.config.min_acceptance_rate
+        ):
+            stats.paused_steps_left = self.probe_interval
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)

@@ -1,0 +1,137 @@
+"""Target-side verification: the runner's logits rows -> p -> rejection sampling -> tokens.
+
+The model runner lays out one group of rows per sampled sequence: a verifying sequence with k
+drafts owns k + 1 consecutive rows (its last sampled token's position, then one per draft),
+every other sequence (and each fork child) one row. Row i of a group is described by a
+sampling row whose output position is base + i and whose penalty history is outputs +
+drafts[:i]: exactly what the non-speculative sampler would see at that position. So greedy
+output is token-for-token the non-speculative output and sampled output has exactly its
+distribution; groups without drafts reduce to one ordinary draw with the same seeded noise as
+`Sampler.draw`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens, TokenLogprobs
+from pagedinfer.engine.sample.metadata import SamplingMetadata
+from pagedinfer.engine.sample.rejection_sampler import RejectionInputs, RejectionSampler
+from pagedinfer.engine.sample.sampler import Sampler
+from pagedinfer.engine.worker.model_runner import VerifyGroup
+
+
+class SpecVerifier:
+    """Samples a step that contains verification groups (vectorized over all groups)."""
+
+    def __init__(self, sampler: Sampler, rejection_sampler: RejectionSampler | None = None) -> None:
+        self.sampler = sampler
+        self.rejection_sampler = rejection_sampler or RejectionSampler()
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [N, V] raw target logits, rows laid out by `groups`
+        meta: SamplingMetadata,  # one entry per row
+        groups: Sequence[VerifyGroup],
+        draft_probs: Mapping[int, torch.Tensor] | None = None,  # seq_id -> [>= k, V] q; else point mass
+    ) -> ModelRunnerOutput:
+        processed = self.sampler.process(logits, meta)  # [N, V]
+        inputs = _rejection_inputs(processed, meta, groups, draft_probs or {})
+        token_lists = self.rejection_sampler(inputs).to_lists()  # the step's one device sync
+        logprobs = _logprobs(logits, meta, groups, token_lists)
+        sampled = [
+            SampledTokens(g.seq_id, tokens, lp)
+            for g, tokens, lp in zip(groups, token_lists, logprobs, strict=True)
+        ]
+        num_drafts = sum(len(g.draft_token_ids) for g in groups)
+        num_accepted = sum(len(t) - 1 for t in token_lists)
+        return ModelRunnerOutput(sampled, num_draft_tokens=num_drafts, num_accepted_tokens=num_accepted)
+
+
+def _rejection_inputs(
+    processed: torch.Tensor,  # [N, V]
+    meta: SamplingMetadata,
+    groups: Sequence[VerifyGroup],
+    draft_probs: Mapping[int, torch.Tensor],
+) -> RejectionInputs:
+    device, vocab = processed.device, processed.shape[1]
+    num_groups = len(groups)
+    ks = [len(g.draft_token_ids) for g in groups]
+    max_k = max(ks, default=0)
+    first_rows = torch.tensor([g.first_row for g in groups], dtype=torch.int64).to(device)  # [B]
+    num_drafts = torch.tensor(ks, dtype=torch.int64).to(device)  # [B]
+    # Padded view [B, K + 1] of the flat rows: position i of group b -> row first_b + min(i, k_b).
+    steps = torch.arange(max_k + 1, device=device)  # [K + 1]
+    index = first_rows.unsqueeze(1) + torch.minimum(steps.unsqueeze(0), num_drafts.unsqueeze(1))
+    drafts_host = torch.zeros((num_groups, max_k), dtype=torch.int64)
+    for b, g in enumerate(groups):
+        if g.draft_token_ids:
+            drafts_host[b, : ks[b]] = torch.tensor(g.draft_token_ids, dtype=torch.int64)
+    drafts = drafts_host.to(device)  # [B, K]
+    probs = None
+    if any(g.seq_id in draft_probs for g in groups if g.draft_token_ids):
+        probs = torch.zeros((num_groups, max_k, vocab), dtype=torch.float32, device=device)  # [B, K, V]
+        for b, g in enumerate(groups):
+            q = draft_probs.get(g.seq_id)
+            if q is None:  # a proposer without a distribution: q is a one-hot on the draft
+                probs[b, : ks[b]].scatter_(1, drafts[b, : ks[b]].unsqueeze(1), 1.0)
+            else:
+                probs[b, : ks[b]] = q[: ks[b]].to(device=device, dtype=torch.float32)
+    seeds, positions = _row_seeds(meta, processed.shape[0])
+    return RejectionInputs(
+        target_logits=processed[index],  # [B, K + 1, V]
+        draft_token_ids=drafts,
+        num_draft_tokens=num_drafts,
+        is_greedy=meta.is_greedy[first_rows],
+        draft_probs=probs,
+        seeds=None if seeds is None else seeds[first_rows],
+        positions=None if positions is None else positions[first_rows],
+    )
+
+
+def _row_seeds(meta: SamplingMetadata, num_rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Seeds and output positions per row [N] (-1: unseeded) from the metadata's seeded rows."""
+    if meta.seeded_rows is None:
+        return None, None
+    device = meta.seeded_rows.device
+    seeds = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+    positions = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    seeds[meta.seeded_rows] = meta.seeds
+    positions[meta.seeded_rows] = meta.positions
+    return seeds, positions
+
+
+def _logprobs(
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    groups: Sequence[VerifyGroup],
+    token_lists: list[list[int]],
+) -> list[list[TokenLogprobs] | None]:
+    """Raw model logprobs of each emitted token plus top alternatives, as `Sampler.forward` gives."""
+    if meta.max_num_logprobs < 0:
+        return [None] * len(groups)
+    rows = [
+        g.first_row + j for g, tokens in zip(groups, token_lists, strict=True) for j in range(len(tokens))
+    ]
+    emitted = [t for tokens in token_lists for t in tokens]
+    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logprobs = logits[row_index].float().log_softmax(dim=-1)  # [M, V]
+    ids = torch.tensor(emitted, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()  # [M]
+    top_lp, top_ids = logprobs.topk(meta.max_num_logprobs, dim=-1)  # [M, L]
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out: list[list[TokenLogprobs] | None] = []
+    m = 0
+    for g, tokens in zip(groups, token_lists, strict=True):
+        want = meta.num_logprobs[g.first_row]
+        entries = [
+            TokenLogprobs(
+                t, chosen[m + j], tuple(top_ids[m + j][: want or 0]), tuple(top_lp[m + j][: want or 0])
+            )
+            for j, t in enumerate(tokens)
+        ]
+        out.append(entries if want is not None else None)
+        m += len(tokens)
+    return out
