@@ -16,6 +16,7 @@ from pagedinfer.engine.config import EngineConfig
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.core.scheduler import Scheduler
 from pagedinfer.engine.engine_core import EngineCore
+from pagedinfer.engine.spec_decode.factory import build_speculative_decoder
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.model_runner import ModelRunner, RunnerConfig
 from pagedinfer.kernels import ops
@@ -86,8 +87,23 @@ def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda 
         watermark_blocks=watermark,
     )
     scheduler = Scheduler(sched_cfg, kv, max_model_len)
+    spec = build_speculative_decoder(
+        config.speculative,
+        model,
+        loaded.tokenizer,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        attention_backend=backend,
+    )
     core = EngineCore(
-        scheduler, runner, loaded.tokenizer, eos_token_ids=eos, vocab_size=mc.vocab_size, seed=config.seed
+        scheduler,
+        runner,
+        loaded.tokenizer,
+        eos_token_ids=eos,
+        vocab_size=mc.vocab_size,
+        seed=config.seed,
+        spec_decoder=spec,
     )
     logger.info(
         "engine ready: %d KV blocks of %d slots, max_model_len %d on %s",

@@ -37,9 +37,13 @@ class EngineCore:
         eos_token_ids: tuple[int, ...] = (),
         vocab_size: int | None = None,
         seed: int = 0,
+        spec_decoder=None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.spec_decoder = spec_decoder  # spec_decode.SpeculativeDecoder, or None
+        if spec_decoder is not None:
+            runner.spec_decoder = spec_decoder
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -134,6 +138,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         updates = self.scheduler.update(sched, result)
+        if self.spec_decoder is not None:  # learn acceptance, draft the next step's tokens
+            self.spec_decoder.after_step(sched, result, self.scheduler.running)
         outputs = self.outputs.process(updates, self.scheduler.take_finished())
         self._step += 1
         self._account(sched, updates, result, time.perf_counter() - start, len(outputs))

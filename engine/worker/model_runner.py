@@ -94,6 +94,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.verifier: Verifier = PrefixMatchVerifier()
+        self.spec_decoder = None  # spec_decode.SpeculativeDecoder: samples steps that carry drafts
         self.graphs: CudaGraphRunner | None = None
         self._prev_end: torch.cuda.Event | None = None
         self.gpu_idle_s_total = 0.0
@@ -137,8 +138,10 @@ class ModelRunner:
         eos = [self.config.eos_token_ids] * len(rows)
         meta = build_sampling_metadata(rows, self.vocab_size, self.config.device, eos)
         logits = self.model.compute_logits(hidden[inputs.attn_metadata.logits_indices])  # [N, V]
-        out = self.sampler(logits, meta)
-        result = self._collect(out, rows, groups, meta.num_logprobs)
+        if self.spec_decoder is not None and any(g.draft_token_ids for g in groups):
+            result = self.spec_decoder.sample(logits, meta, groups)  # rejection sampling
+        else:
+            result = self._collect(self.sampler(logits, meta), rows, groups, meta.num_logprobs)
         self._gpu_mark_end(start)
         return result
 
@@ -155,10 +158,16 @@ class ModelRunner:
             end = int(qsl[b + 1])
             k = s.num_spec_tokens
             groups.append(VerifyGroup(s.seq_id, len(rows), s.token_ids[len(s.token_ids) - k :] if k else []))
+            # Row j sees the drafts before it as outputs (penalty history), like a plain decode would.
+            drafts = groups[-1].draft_token_ids
+            history = [*s.sample.output_token_ids[: s.sample.output_position], *drafts] if k else []
             for j in range(k + 1):
                 logits_rows.append(end - 1 - k + j)
                 pos = s.sample.output_position + j
-                rows.append(dataclasses.replace(s.sample, output_position=pos) if j else s.sample)
+                row = s.sample
+                if j:
+                    row = dataclasses.replace(row, output_position=pos, output_token_ids=history)
+                rows.append(row)
             for fork in s.fork_rows:
                 groups.append(VerifyGroup(fork.seq_id, len(rows), []))
                 logits_rows.append(end - 1)
