@@ -28,7 +28,7 @@ PYTHON=${PYTHON:-$REPO_ROOT/.venv/bin/python}
 LOCAL_HTTP_PORT=${LOCAL_HTTP_PORT:-18000}
 LOCAL_GRPC_PORT=${LOCAL_GRPC_PORT:-15051}
 PORT_FORWARD_PID=""
-export PATH="$REPO_ROOT/.tools/bin:$PATH"
+export PATH="$PATH:$REPO_ROOT/.tools/bin"  # the repo's helm/kubectl when none is installed
 
 log() { printf '\n== %s\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
