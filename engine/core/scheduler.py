@@ -79,11 +79,9 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> list[Request]:
         """Finish every sequence of a request now (blocks freed); returns those that were live."""
-        aborted = []
+        aborted: list[Request] = []
         for seq in self._by_request_id.get(request_id, []):
-            if not seq.is_finished:
-                self.finish_sequence(seq, FinishReason.ABORT)
-                aborted.append(seq)
+            aborted += self.finish_sequence(seq, FinishReason.ABORT)
         return aborted
 
     def finish_sequence(
@@ -92,10 +90,13 @@ class Scheduler:
         reason: FinishReason,
         stop_reason: str | int | None = None,
         error: str | None = None,
-    ) -> None:
-        """Finish one sequence and free its blocks (used for aborts, errors and stop strings)."""
+    ) -> list[Request]:
+        """Finish a sequence (and children it never forked) and free its blocks.
+
+        Used for aborts, errors and stop strings; returns the sequences that finished.
+        """
         if seq.is_finished:
-            return
+            return []
         if seq.status is RequestStatus.RUNNING:
             self.kv.free(seq.seq_id)
             self.running.remove(seq)
@@ -104,11 +105,13 @@ class Scheduler:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason, seq.stop_reason, seq.error = reason, stop_reason, error
         seq.finish_time = self.clock()
+        finished = [seq]
         for child in seq.pending_children:
             # Children never forked share the leader's fate (they have no prompt KV of their own).
-            self.finish_sequence(child, reason, stop_reason, error)
+            finished += self.finish_sequence(child, reason, stop_reason, error)
         seq.pending_children = []
         self._forget_if_done(seq.request_id)
+        return finished
 
     def _forget_if_done(self, request_id: str) -> None:
         group = self._by_request_id.get(request_id, [])
@@ -187,10 +190,9 @@ class Scheduler:
             victim = self.running[-1]
             if victim is seq:
                 if len(self.running) == 1:
-                    self.finish_sequence(
+                    self._finished += self.finish_sequence(
                         seq, FinishReason.ERROR, error="sequence does not fit in the KV cache"
                     )
-                    self._finished.append(seq)
                 else:
                     self._preempt(seq, preempted)
                 return False
@@ -216,7 +218,8 @@ class Scheduler:
         head = min(self.waiting, key=self._waiting_key(self.clock()))
         needed = self.kv.blocks_for_tokens(head.num_tokens) + self.kv.watermark_blocks
         while self.running and (
-            needed > self.kv.num_free_blocks or len(self.running) >= self.config.max_num_seqs
+            needed > self.kv.num_free_blocks
+            or self._num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs
         ):
             victim = min(self.running, key=lambda r: (r.priority, -r.admit_order))
             if victim.priority >= head.priority:
@@ -237,7 +240,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             seats = 1 + len(seq.pending_children)
-            if len(self.running) + seats > self.config.max_num_seqs:
+            if self._num_seats_taken() + seats > self.config.max_num_seqs:
                 return
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 return
@@ -249,6 +252,10 @@ class Scheduler:
             num_new = self._num_new_tokens(seq, budget)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+
+    def _num_seats_taken(self) -> int:
+        # Running leaders still owe seats to the children they will fork.
+        return len(self.running) + sum(len(r.pending_children) for r in self.running)
 
     def _admit(self, seq: Request, num_cached: int) -> None:
         if seq.first_scheduled_time is None:
