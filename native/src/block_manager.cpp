@@ -10,20 +10,24 @@ namespace {
 
 std::string seq_name(int64_t seq_id) { return "sequence " + std::to_string(seq_id); }
 
-}  // namespace
-
-BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
-    : block_size_(block_size),
-      enable_prefix_caching_(enable_prefix_caching),
-      pool_(num_blocks > 0 ? num_blocks : 0),
-      cache_(num_blocks > 0 ? num_blocks : 0) {
+// Validates the constructor arguments before any member allocates memory.
+int32_t checked_num_blocks(int32_t num_blocks, int32_t block_size) {
   if (num_blocks <= 0) throw std::invalid_argument("num_blocks must be positive");
   if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
   if (static_cast<int64_t>(num_blocks) * block_size > INT32_MAX) {
     throw std::invalid_argument("num_blocks * block_size must fit in int32 (slot ids)");
   }
-  block_tokens_.assign(static_cast<size_t>(num_blocks) * block_size, 0);
+  return num_blocks;
 }
+
+}  // namespace
+
+BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
+    : block_size_(block_size),
+      enable_prefix_caching_(enable_prefix_caching),
+      pool_(checked_num_blocks(num_blocks, block_size)),
+      cache_(num_blocks),
+      block_tokens_(static_cast<size_t>(num_blocks) * block_size, 0) {}
 
 const Sequence& BlockManager::sequence(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
