@@ -74,6 +74,12 @@ def convert(node):
             out[key] = [convert(v) for v in value]
         else:
             out[key] = value
+    # OpenAPI 3.0 `minimum: 0, exclusiveMinimum: true` -> draft-07 `exclusiveMinimum: 0`.
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if out.get(exclusive) is True and bound in out:
+            out[exclusive] = out.pop(bound)
+        elif out.get(exclusive) is False:
+            del out[exclusive]
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

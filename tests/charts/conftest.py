@@ -108,9 +108,20 @@ def crd_to_jsonschema(node: Any) -> Any:
             out[key] = [crd_to_jsonschema(v) for v in value]
         elif not key.startswith("x-kubernetes-"):
             out[key] = value
+    _numeric_exclusive_bounds(out)
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _numeric_exclusive_bounds(out: dict[str, Any]) -> None:
+    """OpenAPI 3.0 (CRDs): `minimum: 0, exclusiveMinimum: true`; JSON schema draft 6+:
+    `exclusiveMinimum: 0`."""
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if out.get(exclusive) is True and bound in out:
+            out[exclusive] = out.pop(bound)
+        elif out.get(exclusive) is False:
+            del out[exclusive]
 
 
 def _dropped_keys(sent: Any, kept: Any, path: str = "") -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -265,3 +266,57 @@ def test_notes_tell_the_next_steps(helm):
     assert "every namespace" in notes and "PrometheusRule" in notes and "grafana_dashboard=1" in notes
     namespaced = helm.notes(CHART, {"operator": {"allNamespaces": False, "watchNamespaces": ["a", "b"]}})
     assert "It watches InferenceEngines in: a,b" in namespaced
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [p for k, v in node.items() for p in _leaf_paths(v, f"{prefix}.{k}" if prefix else k)]
+    return [prefix]
+
+
+def _documented(readme: str, path: str) -> bool:
+    """`a.b.c` is documented as itself, as a parent (`a.b`) or in a group (`a.b.{c,d}`)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        head = ".".join(parts[:i])
+        if f"`{head}`" in readme:
+            return True
+        if i < len(parts):
+            m = re.search(rf"`{re.escape(head)}\.\{{([^}}]+)\}}`", readme)
+            if m and parts[i] in m.group(1).split(","):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("chart", ["pagedinfer-operator", "pagedinfer-engine"])
+def test_readme_values_table_covers_every_value(chart):
+    path = ROOT / "charts" / chart
+    values = yaml.safe_load((path / "values.yaml").read_text())
+    readme = (path / "README.md").read_text()
+    missing = [p for p in _leaf_paths(values) if not _documented(readme, p)]
+    assert not missing, f"{chart}/README.md lacks {missing}"
+
+
+def _strict_objects(schema: Any, where: str = "$") -> list[str]:
+    """Paths of schema objects with named properties that still accept unknown keys."""
+    loose = []
+    if isinstance(schema, dict):
+        if "properties" in schema and schema.get("additionalProperties") is not False:
+            loose.append(where)
+        for key, sub in schema.items():
+            if key == "properties":
+                loose += [p for name, s in sub.items() for p in _strict_objects(s, f"{where}.{name}")]
+            elif isinstance(sub, dict | list):
+                loose += _strict_objects(sub, where)
+    elif isinstance(schema, list):
+        loose += [p for s in schema for p in _strict_objects(s, where)]
+    return loose
+
+
+@pytest.mark.parametrize("chart", ["pagedinfer-operator", "pagedinfer-engine"])
+def test_values_schema_rejects_unknown_keys_everywhere(chart):
+    schema = json.loads((ROOT / "charts" / chart / "values.schema.json").read_text())
+    loose = [
+        p for p in _strict_objects(schema) if p != "$.operator.extraEnv"
+    ]  # EnvVar objects, validated by the API
+    assert loose == [], f"objects accepting unknown keys: {loose}"
