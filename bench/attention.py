@@ -82,6 +82,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args) -> dict:
     row["sdpa_backend"] = sdpa_name
     factories = {
         "triton": cases.ours_decode,
+        "fused": cases.ours_fused_decode,
         "sdpa": lambda x: cases.sdpa_decode(x, sdpa_name),
         "gather": lambda x: cases.gather_decode(x, sdpa_name),
     }
@@ -142,12 +143,12 @@ def summarize(result: dict) -> str:
     lines = [
         f"device: {result['device']}  copy bandwidth {result['copy_gbps']:.0f} GB/s (read+write)",
         "decode (32q/8kv heads, d128, bf16, block 16): ms | GB/s | frac of copy bw",
-        f"{'batch':>5} {'ctx':>5} | {'triton':>22} | {'cuda':>22} | {'sdpa':>22} | {'gather':>22}"
+        f"{'batch':>5} {'ctx':>5} | {'triton':>22} | {'fused':>22} | {'cuda':>22} | {'sdpa':>22} | {'gather':>22}"
         f" | {'vs sdpa':>7} {'vs gather':>9}",
     ]
     for r in result["decode"]:
         cells = []
-        for name in ("triton", "cuda", "sdpa", "gather"):
+        for name in ("triton", "fused", "cuda", "sdpa", "gather"):
             v = r.get(name)
             cells.append(f"{v['ms']:8.4f} {v['gbps']:6.0f} {v['frac_copy']:5.2f}" if v else f"{'-':>22}")
         vs_sdpa = _ratio(r, "triton", "sdpa", "gbps")
@@ -160,9 +161,8 @@ def summarize(result: dict) -> str:
     b1 = [r for r in result["decode"] if r["batch"] == 1 and r["context"] == max(CONTEXTS)]
     if b1:
         floor_ms = b1[0]["kv_bytes"] / result["copy_gbps"] / 1e6
-        lines.append(
-            f"batch 1 x ctx 8192: floor {floor_ms * 1e3:.1f} us, triton {b1[0]['triton']['ms'] * 1e3:.1f} us"
-        )
+        got = ", ".join(f"{n} {b1[0][n]['ms'] * 1e3:.1f} us" for n in ("triton", "fused") if n in b1[0])
+        lines.append(f"batch 1 x ctx 8192: bandwidth floor {floor_ms * 1e3:.1f} us; {got}")
     lines.append("prefill/extend (32q/8kv, d128, bf16): TFLOP/s")
     for r in result["prefill"]:
         cells = " ".join(

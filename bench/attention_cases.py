@@ -57,6 +57,15 @@ def decode_inputs(batch: int, context: int) -> dict:
     return x
 
 
+def ours_fused_decode(x: dict):
+    """Our kernel with the split merge fused in (DecodeConfig.fused_reduce), default tiles."""
+    from dataclasses import replace
+
+    from pagedinfer.kernels.decode_attention import default_config
+
+    return ours_decode(x, replace(default_config(HEAD_DIM, x["query"].device), fused_reduce=True))
+
+
 def ours_decode(x: dict, config: DecodeConfig | None = None, num_splits: int | None = None):
     args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"])
     if config is None and num_splits is None:
@@ -253,9 +262,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
-    names = ["triton", "cuda", "sdpa", "gather"]
+    names = ["triton", "fused", "cuda", "sdpa", "gather"]
     rows = result["decode"]
-    width = 0.2
+    width = 0.16
     for i, name in enumerate(names):
         xs = [j + i * width for j, r in enumerate(rows) if name in r]
         ys = [r[name]["gbps"] for r in rows if name in r]

@@ -17,7 +17,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 64
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # Split-K merge inside the decode kernel: the last split of each (seq, kv_head), found by an
+    # atomic counter, merges the partials; saves the reduction launch. Experimental (bench only).
+    fused_reduce: bool = False
 
 
 @triton.jit
@@ -39,6 +42,7 @@ def _decode_kernel(
     out_ptr,  # [S, H, D] (written when not IS_SPLIT)
     part_out_ptr,  # fp32 [S, H, num_splits, D_PAD] (written when IS_SPLIT)
     part_lse_ptr,  # fp32 [S, H, num_splits]
+    counter_ptr,  # int32 [S, KVH], zeroed (FUSED_REDUCE only)
     qk_scale,  # softmax scale * log2(e)
     stride_qs,
     stride_qh,
@@ -54,6 +58,8 @@ def _decode_kernel(
     head_dim,
     num_splits,
     IS_SPLIT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -109,6 +115,46 @@ def _decode_kernel(
         tl.store(part_out_ptr + row[:, None] * D_PAD + d[None, :], out, mask=g_mask[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            done = tl.atomic_add(
+                counter_ptr + seq * tl.num_programs(1) + kv_head, 1, sem="acq_rel", scope="gpu"
+            )
+            if done == num_splits - 1:  # the last split of this (seq, kv_head) merges them all
+                for g0 in range(GROUP):
+                    head = kv_head * GROUP + g0
+                    o_base = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh
+                    merge_row = seq.to(tl.int64) * GROUP * tl.num_programs(1) + head
+                    _merge_row(
+                        part_out_ptr, part_lse_ptr, o_base, merge_row, head_dim, num_splits, SPLITS_PAD, D_PAD
+                    )
+
+
+@triton.jit
+def _merge_row(
+    part_out_ptr,
+    part_lse_ptr,
+    o_base,
+    row,
+    head_dim,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """out[row] = sum_p w_p * part_out[row, p] / sum_p w_p with w_p = 2^(lse_p - max lse)."""
+    p = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    p_mask = p < num_splits
+    # .cg: read through L2, never a stale L1 line (partials come from other programs)
+    lse = tl.load(part_lse_ptr + row * num_splits + p, mask=p_mask, other=float("-inf"), cache_modifier=".cg")
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty splits
+    parts_ptrs = part_out_ptr + (row * num_splits + p[:, None]) * D_PAD + d[None, :]
+    parts = tl.load(parts_ptrs, mask=p_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, D_PAD]
+    denom = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(o_base + d, out.to(o_base.dtype.element_ty), mask=d < head_dim)
 
 
 @triton.jit
@@ -126,19 +172,8 @@ def _reduce_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
-    p = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
-    p_mask = p < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + p, mask=p_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty splits
-    parts_ptrs = part_out_ptr + (row * num_splits + p[:, None]) * D_PAD + d[None, :]
-    parts = tl.load(parts_ptrs, mask=p_mask[:, None], other=0.0)  # [SPLITS_PAD, D_PAD]
-    denom = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    o_ptrs = out_ptr + seq * stride_os + head * stride_oh + d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+    o_base = out_ptr + seq * stride_os + head * stride_oh
+    _merge_row(part_out_ptr, part_lse_ptr, o_base, row, head_dim, num_splits, SPLITS_PAD, D_PAD)
 
 
 def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
@@ -159,15 +194,19 @@ def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough splits that the grid covers about two waves of the GPU, with >= 256 tokens a split.
+    """Split-K factor: 1 when the grid already covers two waves of SMs, else about four waves
+    with >= 64 tokens a split (H200 sweep in bench/NOTES.md: small grids are latency-bound).
 
     max_context is a host-side bound (the block table's width times block_size), so the choice
     never needs a device sync and stays fixed for a CUDA-graph batch bucket.
     """
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     programs = max(1, num_seqs * num_kv_heads)
-    splits = triton.cdiv(2 * num_sms, programs)
-    splits = min(splits, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
+    if programs >= 2 * num_sms:
+        return 1
+    splits = min(
+        triton.cdiv(4 * num_sms, programs), triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS
+    )
     return max(1, splits)
 
 
@@ -209,6 +248,8 @@ def paged_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel without splits
+    fused = config.fused_reduce and num_splits > 1
+    counter = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device) if fused else out
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -218,6 +259,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        counter,
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -229,6 +271,8 @@ def paged_decode_attention(
         head_dim,
         num_splits,
         IS_SPLIT=num_splits > 1,
+        FUSED_REDUCE=fused,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
@@ -237,6 +281,6 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         reduce_splits(part_out, part_lse, out)
     return out

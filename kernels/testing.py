@@ -10,6 +10,7 @@ TRITON_INTERPRET=1 in its environment) and writes one result per case.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -39,6 +40,7 @@ class AttentionCase:
     block_size: int = 16
     num_splits: int | None = None
     shared_blocks: int = 0  # leading blocks every sequence shares (a common prefix)
+    fused_reduce: bool = False  # decode: merge splits inside the kernel (DecodeConfig.fused_reduce)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,11 @@ def _run_attention(case: AttentionCase, x: dict, backend: str, upcast: bool) -> 
         fn_decode, fn_extend = ops.paged_decode_attention, ops.paged_extend_attention
         kw = {"backend": backend}
     if case.kind == "decode":
+        if case.fused_reduce and backend == "triton":
+            from pagedinfer.kernels import decode_attention as da
+
+            config = dataclasses.replace(da.default_config(q.shape[2], q.device), fused_reduce=True)
+            fn_decode, kw = da.paged_decode_attention, {"config": config}
         if backend != "reference64":
             kw["num_splits"] = case.num_splits
         return fn_decode(q, kc, vc, x["block_tables"], x["lens"], x["scale"], **kw)
@@ -184,6 +191,7 @@ INTERPRETER_CASES = (
     _C("decode_auto_splits_shared", "decode", (40, 47, 95), num_heads=8, num_kv_heads=2, shared_blocks=2),
     _C("decode_mha_d80_bs8", "decode", (9, 24, 31), num_heads=4, num_kv_heads=4, head_dim=80, block_size=8),
     _C("decode_empty_seq", "decode", (0, 13, 32), num_splits=2),
+    _C("decode_fused_reduce", "decode", (0, 1, 33, 70), num_heads=9, num_kv_heads=3, num_splits=3, fused_reduce=True),
     _C("decode_mqa_group16_bs64", "decode", (3, 64, 65, 100), num_heads=16, num_kv_heads=1, block_size=64),
     _C("decode_d128_many_splits", "decode", (130, 7), num_heads=4, num_kv_heads=1, head_dim=128, num_splits=5),
     _C("extend_prefill", "extend", (16, 33, 5), q_lens=(16, 33, 5), num_heads=9, num_kv_heads=3),

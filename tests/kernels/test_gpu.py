@@ -24,6 +24,8 @@ GPU_CASES = (
     _C("write_llama", "write", (1000, 37, 513), num_heads=32, num_kv_heads=8, head_dim=128),
     _C("decode_llama_b64", "decode", tuple(range(1000, 3000, 31)), **LLAMA),
     _C("decode_llama_b1_8k_splitk", "decode", (8192,), **LLAMA),
+    _C("decode_llama_b3_fused", "decode", (8192, 1, 3000), fused_reduce=True, **LLAMA),
+    _C("decode_smollm_b5_fused", "decode", (5000, 0, 17, 2048, 999), fused_reduce=True, **SMOLLM),
     _C("decode_llama_b4_shared", "decode", (4000, 4001, 4017, 33), shared_blocks=200, **LLAMA),
     _C("decode_smollm_b33", "decode", tuple(range(1, 3300, 100)), **SMOLLM),
     _C("decode_mha_d256", "decode", (300, 1, 17, 1500), num_heads=8, num_kv_heads=8, head_dim=256),
