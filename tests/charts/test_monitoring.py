@@ -249,3 +249,15 @@ def test_engine_down_alert_targets_the_pod_monitor_job(helm):
     )
     matchers = _selectors(_parse(down["expr"]))[0][0].matchers.matchers
     assert [(m.name, m.value) for m in matchers] == [("job", job)]
+
+
+def test_engine_down_alert_without_pod_monitor_matches_the_operators_engine_targets(rules):
+    """Without the PodMonitor, engines are scraped through the operator's per-engine
+    ServiceMonitors: the alert matches the engine container and its `http` port."""
+    from pagedinfer.operator.builders.deployment import CONTAINER
+
+    down = _selectors(_parse(rules["PagedInferEngineDown"]["expr"]))[0][0]
+    assert sorted((m.name, m.value) for m in down.matchers.matchers) == [
+        ("container", CONTAINER),
+        ("endpoint", "http"),
+    ]

@@ -60,12 +60,18 @@ app.kubernetes.io/part-of: paged-infer
 {{- end }}
 {{- end }}
 
-{{/* Job label of the engines' PodMonitor (Prometheus Operator: <namespace>/<name>). */}}
+{{/*
+Matchers of the engines' scrape targets for the EngineDown alert: the user's; else the job of
+the chart's PodMonitor (Prometheus Operator: <namespace>/<name>); else what every engine
+target carries however it is scraped (per-engine ServiceMonitors): container "engine", port "http".
+*/}}
 {{- define "pagedinfer-operator.engineTargetSelector" -}}
 {{- if .Values.prometheusRule.engineTargetSelector }}
 {{- .Values.prometheusRule.engineTargetSelector }}
-{{- else }}
+{{- else if .Values.engineMonitor.enabled }}
 {{- printf "job=\"%s/%s-engines\"" .Release.Namespace (include "pagedinfer-operator.fullname" .) }}
+{{- else }}
+{{- printf "container=\"engine\", endpoint=\"%s\"" .Values.engineMonitor.portName }}
 {{- end }}
 {{- end }}
 
