@@ -213,16 +213,16 @@ def test_operator_env_is_what_the_operator_reads(helm):
 
 
 def test_operator_command_matches_the_cli(rendered):
+    from pagedinfer.operator.main import build_parser
+
     container = _operator_container(rendered["defaults"])
     assert container["command"] == ["pagedinfer"]
-    assert container["args"] == ["operator", "--all-namespaces"]
-    from pagedinfer.engine.cli import build_parser
-
-    parser = build_parser()
-    commands = parser._subparsers._group_actions[0].choices  # argparse keeps subparsers here
-    if "operator" in commands:
-        parser.parse_args(container["args"])
-        parser.parse_args(_operator_container(rendered["namespaced"])["args"][:3])
+    assert container["args"][0] == "operator"
+    assert build_parser().parse_args(container["args"][1:]).all_namespaces
+    namespaced = _operator_container(rendered["namespaced"])["args"]
+    assert build_parser().parse_args(namespaced[1:]).namespace == ["team-a", "team-b"]
+    pinned = _operator_container(rendered["pinned"])["args"]
+    assert build_parser().parse_args(pinned[1:]).verbose  # extraArgs reach the operator's CLI
 
 
 def test_metrics_service_and_service_monitor_agree(rendered):

@@ -219,14 +219,17 @@ def test_engine_entrypoint_matches_the_cli(name, device):
 
 
 def test_operator_entrypoint_matches_the_cli():
-    from pagedinfer.engine.cli import build_parser
+    from pagedinfer.operator.main import build_parser
 
     cmd = _command(DOCKER / "operator.Dockerfile")
-    assert cmd == ["operator", "--all-namespaces"]  # the contract: pagedinfer operator [--all-namespaces]
-    parser = build_parser()
-    choices = parser._subparsers._group_actions[0].choices  # argparse keeps subcommands here
-    if "operator" in choices:
-        assert parser.parse_args(cmd).command == "operator"
+    assert cmd[0] == "operator"  # `pagedinfer operator ...`
+    args = build_parser().parse_args(cmd[1:])
+    assert args.all_namespaces and args.namespace == []
+    df = parse(DOCKER / "operator.Dockerfile")
+    exposed = {p for s in df.stages for i, a in s.instructions if i == "EXPOSE" for p in a.split()}
+    from pagedinfer.operator.config import OperatorConfig
+
+    assert exposed == {str(OperatorConfig().metrics_port)}
 
 
 def _setup_default(name: str) -> str:
