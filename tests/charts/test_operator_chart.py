@@ -38,6 +38,18 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "operator": {"extraArgs": ["--verbose"], "extraEnv": [{"name": "X", "value": "1"}]},
     },
     "no-rbac": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}},
+    "only-operator-alerts": {
+        "prometheusRule": {
+            "enabled": True,
+            "rules": {
+                name: {"enabled": False}
+                for name in ("engineDown", "ttftHigh", "kvCacheFull", "preemptionRateHigh", "errorRateHigh")
+            },
+        }
+    },
+    "only-engine-alerts": {
+        "prometheusRule": {"enabled": True, "rules": {"operatorReconcileErrors": {"enabled": False}}}
+    },
 }
 # Each breaks one rule of values.schema.json; helm must refuse to render it.
 BAD_VALUES: dict[str, dict[str, Any]] = {
