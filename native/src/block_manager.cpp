@@ -10,6 +10,14 @@ namespace {
 
 std::string seq_name(int64_t seq_id) { return "sequence " + std::to_string(seq_id); }
 
+// Makes room for `size` elements with geometric growth (a bare reserve(size) would reallocate on
+// every append and make appends quadratic).
+void reserve_amortized(std::vector<int32_t>* v, int64_t size) {
+  if (static_cast<size_t>(size) > v->capacity()) {
+    v->reserve(std::max(static_cast<size_t>(size), 2 * v->capacity()));
+  }
+}
+
 // Validates the constructor arguments before any member allocates memory.
 int32_t checked_num_blocks(int32_t num_blocks, int32_t block_size) {
   if (num_blocks <= 0) throw std::invalid_argument("num_blocks must be positive");
@@ -133,8 +141,8 @@ std::vector<BlockCopy> BlockManager::append_tokens(int64_t seq_id, const int32_t
   require_blocks(append_need(seq, num_tokens), "append_tokens");
   int64_t len = static_cast<int64_t>(seq.tokens.size());
   copies.reserve(1);
-  seq.tokens.reserve(len + num_tokens);
-  seq.blocks.reserve(blocks_for(len + num_tokens));
+  reserve_amortized(&seq.tokens, len + num_tokens);
+  reserve_amortized(&seq.blocks, blocks_for(len + num_tokens));
   // Nothing below throws.
   if (len % block_size_ != 0) {
     int32_t last = seq.blocks.back();

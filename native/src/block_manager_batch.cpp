@@ -101,9 +101,19 @@ BatchArrays BlockManager::build_batch(const int64_t* seq_ids, const int32_t* num
     int32_t* row = out.block_tables.data.get() + i * out.max_blocks;
     std::copy(blocks.begin(), blocks.begin() + used, row);
     std::fill(row + used, row + out.max_blocks, 0);
-    for (int32_t pos = begin; pos < end; ++pos, ++cursor) {
-      out.slot_mapping.data[cursor] = blocks[pos / block_size_] * block_size_ + pos % block_size_;
-      out.positions.data[cursor] = pos;
+    // One block at a time: slots inside a block are consecutive (vectorisable inner loop).
+    for (int32_t pos = begin; pos < end;) {
+      int32_t offset = pos % block_size_;
+      int32_t run = std::min(block_size_ - offset, end - pos);
+      int32_t first_slot = blocks[pos / block_size_] * block_size_ + offset;
+      int32_t* slots = out.slot_mapping.data.get() + cursor;
+      int32_t* positions = out.positions.data.get() + cursor;
+      for (int32_t k = 0; k < run; ++k) {
+        slots[k] = first_slot + k;
+        positions[k] = pos + k;
+      }
+      pos += run;
+      cursor += run;
     }
     out.context_lens.data[i] = end;
     out.query_start_loc.data[i + 1] = cursor;

@@ -1,0 +1,260 @@
+"""The native paged KV-cache core side by side with the pure-Python reference (same operations).
+
+1. Op mix: a recorded scheduler-like workload (admit prompts sharing system prompts, decode
+   appends, mark_computed per step, n>1 forks, speculative append + rollback, finish/free) replayed
+   on both managers; calls per second. Per-call floor: a trivial binding call (has_sequence).
+2. build_batch for one decode step (num_new = 1) and one chunked-prefill step (num_new = 256) of
+   256 and 1024 sequences with 512-4096 tokens, plus 1024 x 4096; block size 16. Floor: copying
+   the block-table bytes with NumPy.
+
+    python bench/native_core.py [--out bench/results] [--quick]
+
+Writes OUT/native_core.json and OUT/native_core.png; prints the ratios last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from pagedinfer import _native
+from pagedinfer.engine.core import block_pool_ref as ref
+
+BLOCK_SIZE = 16
+IMPLS = {"native": _native.BlockManager, "python_ref": ref.BlockManager}
+
+
+# ---- op mix ----------------------------------------------------------------------------------
+def record_op_mix(num_steps: int, seed: int = 0) -> list[tuple[str, tuple]]:
+    """A deterministic scheduler-like call sequence (never runs out of blocks)."""
+    rng = random.Random(seed)
+    system_prompts = [[rng.randrange(32000) for _ in range(256)] for _ in range(4)]
+    ops: list[tuple[str, tuple]] = []
+    lengths: dict[int, int] = {}
+    next_id = 0
+
+    def admit() -> None:
+        nonlocal next_id
+        prompt = rng.choice(system_prompts) + [rng.randrange(32000) for _ in range(rng.randrange(16, 512))]
+        ops.append(("add_sequence", (next_id, prompt)))
+        lengths[next_id] = len(prompt)
+        next_id += 1
+
+    for _ in range(48):
+        admit()
+    for _ in range(num_steps):
+        running = sorted(lengths)
+        for seq_id in running:
+            ops.append(("append_tokens", (seq_id, [rng.randrange(32000)])))
+            lengths[seq_id] += 1
+        ops.append(
+            (
+                "mark_computed",
+                (np.array(running, np.int64), np.array([lengths[s] for s in running], np.int32)),
+            )
+        )
+        seq_id = rng.choice(running)
+        if rng.random() < 0.2:  # speculative decoding: 4 drafts, 1 accepted
+            ops.append(("append_tokens", (seq_id, [rng.randrange(32000) for _ in range(4)])))
+            ops.append(("truncate", (seq_id, lengths[seq_id] + 1)))
+            lengths[seq_id] += 1
+        if rng.random() < 0.1:  # n > 1 sampling
+            ops.append(("fork", (seq_id, next_id)))
+            lengths[next_id] = lengths[seq_id]
+            next_id += 1
+        while len(lengths) > 40 and rng.random() < 0.5:
+            victim = rng.choice(sorted(lengths))
+            ops.append(("free", (victim,)))
+            del lengths[victim]
+        while len(lengths) < 48:
+            admit()
+    return ops
+
+
+def replay(factory: Callable, ops: list[tuple[str, tuple]], num_blocks: int) -> tuple[float, object]:
+    bm = factory(num_blocks, BLOCK_SIZE, True)
+    calls = [(getattr(bm, name), args) for name, args in ops]
+    start = time.perf_counter()
+    for fn, args in calls:
+        fn(*args)
+    return time.perf_counter() - start, bm
+
+
+def bench_op_mix(num_steps: int, repeats: int) -> dict:
+    ops = record_op_mix(num_steps)
+    num_blocks = 8192
+    out: dict = {"num_calls": len(ops), "calls_by_kind": _count_kinds(ops)}
+    finals = {}
+    # Interleaved repeats, best of each: the machine is shared, so the minimum is the signal.
+    times: dict[str, list[float]] = {name: [] for name in IMPLS}
+    for _ in range(repeats):
+        for name, factory in IMPLS.items():
+            elapsed, finals[name] = replay(factory, ops, num_blocks)
+            times[name].append(elapsed)
+    for name in IMPLS:
+        best = min(times[name])
+        out[name] = {"seconds": best, "calls_per_s": len(ops) / best, "us_per_call": best / len(ops) * 1e6}
+    assert finals["native"].stats() == finals["python_ref"].stats(), "implementations diverged"
+    out["final_stats"] = finals["native"].stats()
+    bm = _native.BlockManager(16, BLOCK_SIZE)
+    n = 20_000
+    samples = []
+    for _ in range(10):
+        start = time.perf_counter()
+        for _ in range(n):
+            bm.has_sequence(0)
+        samples.append((time.perf_counter() - start) / n * 1e6)
+    out["floor_us_per_call"] = min(samples)
+    return out
+
+
+def _count_kinds(ops: list[tuple[str, tuple]]) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for name, _ in ops:
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
+
+
+# ---- build_batch ------------------------------------------------------------------------------
+def setup_batch(factory: Callable, lengths: list[int], seed: int) -> object:
+    rng = np.random.default_rng(seed)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in lengths) + 16
+    bm = factory(num_blocks, BLOCK_SIZE, False)
+    for seq_id, n in enumerate(lengths):
+        bm.add_sequence(seq_id, rng.integers(0, 32000, n, dtype=np.int32))
+    return bm
+
+
+def time_call(fn: Callable[[], object], min_seconds: float) -> tuple[float, float]:
+    """(best, median) seconds per call over runs lasting at least min_seconds in all. The machine
+    is shared, so the best run is the signal; the median shows the noise."""
+    fn()
+    samples: list[float] = []
+    deadline = time.perf_counter() + min_seconds
+    while time.perf_counter() < deadline or len(samples) < 5:
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return min(samples), statistics.median(samples)
+
+
+def bench_build_batch(cases: list[tuple[str, list[int]]], min_seconds: float) -> list[dict]:
+    rows = []
+    for label, lengths in cases:
+        managers = {name: setup_batch(factory, lengths, seed=1) for name, factory in IMPLS.items()}
+        ids = np.arange(len(lengths), dtype=np.int64)
+        total = np.array(lengths, dtype=np.int32)
+        for step, new in (
+            ("decode", np.ones(len(lengths), np.int32)),
+            ("prefill_chunk_256", np.full(len(lengths), 256, np.int32)),
+        ):
+            computed = total - new
+            row: dict = {"case": label, "step": step, "batch": len(lengths), "tokens": int(total.sum())}
+            outputs = {}
+            for name, bm in managers.items():
+                outputs[name] = bm.build_batch(ids, computed, new)
+                best, median = time_call(
+                    lambda bm=bm, i=ids, c=computed, n=new: bm.build_batch(i, c, n), min_seconds
+                )
+                row[f"{name}_us"], row[f"{name}_median_us"] = best * 1e6, median * 1e6
+            for field in ("block_tables", "slot_mapping", "positions", "context_lens", "query_start_loc"):
+                assert np.array_equal(
+                    getattr(outputs["native"], field), getattr(outputs["python_ref"], field)
+                )
+            tables = outputs["native"].block_tables
+            dst = np.empty_like(tables)
+            row["floor_copy_us"] = time_call(lambda t=tables, d=dst: np.copyto(d, t), min_seconds)[0] * 1e6
+            row["block_table_bytes"] = int(tables.nbytes)
+            row["speedup"] = row["python_ref_us"] / row["native_us"]
+            rows.append(row)
+    return rows
+
+
+def batch_cases(quick: bool) -> list[tuple[str, list[int]]]:
+    rng = random.Random(2)
+    sizes = (256,) if quick else (256, 1024)
+    cases = [(f"{b}x[512,4096]", [rng.randrange(512, 4097) for _ in range(b)]) for b in sizes]
+    if not quick:
+        cases.append(("1024x4096", [4096] * 1024))
+    return cases
+
+
+# ---- report -----------------------------------------------------------------------------------
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mix = result["op_mix"]
+    ax1.bar(
+        ["native", "python_ref", "binding floor"],
+        [mix["native"]["us_per_call"], mix["python_ref"]["us_per_call"], mix["floor_us_per_call"]],
+        color=["C0", "C1", "C7"],
+    )
+    ax1.set_yscale("log")
+    ax1.set_ylabel("microseconds per call (log)")
+    ax1.set_title(f"op mix, {mix['num_calls']} calls: native {mix['speedup']:.0f}x faster")
+    rows = result["build_batch"]
+    labels = [f"{r['case']}\n{r['step']}" for r in rows]
+    x = np.arange(len(rows))
+    for offset, key, name in (
+        (-0.27, "native_us", "native"),
+        (0.0, "python_ref_us", "python_ref"),
+        (0.27, "floor_copy_us", "copy floor"),
+    ):
+        ax2.bar(x + offset, [r[key] for r in rows], width=0.27, label=name)
+    ax2.set_xticks(x, labels, fontsize=7)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("microseconds per build_batch (log)")
+    ax2.set_title("build_batch, block size 16")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    args = parser.parse_args()
+    steps, repeats, min_s = (50, 3, 0.05) if args.quick else (400, 7, 0.5)
+    mix = bench_op_mix(steps, repeats)
+    mix["speedup"] = mix["python_ref"]["seconds"] / mix["native"]["seconds"]
+    batches = bench_build_batch(batch_cases(args.quick), min_s)
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    result = {"machine": machine, "block_size": BLOCK_SIZE, "op_mix": mix, "build_batch": batches}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "native_core.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "native_core.png")
+    print(f"op mix: {mix['num_calls']} calls {mix['calls_by_kind']}")
+    print(
+        f"  native {mix['native']['us_per_call']:.2f} us/call, python_ref {mix['python_ref']['us_per_call']:.2f} us/call, binding floor {mix['floor_us_per_call']:.3f} us/call"
+    )
+    print(f"{'build_batch case':<22}{'step':<19}{'native us':>11}{'python us':>12}{'copy floor us':>15}")
+    for r in batches:
+        print(
+            f"{r['case']:<22}{r['step']:<19}{r['native_us']:>11.1f}{r['python_ref_us']:>12.1f}{r['floor_copy_us']:>15.1f}"
+        )
+    print("ratios (python_ref / native):")
+    print(f"  op mix: {mix['speedup']:.1f}x (target >= 20x)")
+    for r in batches:
+        print(f"  build_batch {r['case']} {r['step']}: {r['speedup']:.1f}x ({r['native_us']:.0f} us native)")
+
+
+if __name__ == "__main__":
+    main()
