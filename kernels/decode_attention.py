@@ -194,8 +194,12 @@ def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Split-K factor: 1 when the grid already covers two waves of SMs, else about four waves
-    with >= 64 tokens a split (H200 sweep in bench/NOTES.md: small grids are latency-bound).
+    """Split-K factor from the grid size alone (H200 sweeps in bench/NOTES.md):
+
+    - >= 2 waves of programs without splitting: 1 (plain streaming is at the copy bandwidth);
+    - tiny grids (< 64 programs, e.g. batch 1-7 at 8 KV heads) are latency-bound: aim at ~4
+      waves, at least 64 tokens a split (batch 1: 8 / 32 / 64 splits at 512 / 2048 / 8192);
+    - in between aim at ~2 waves (batch 16: 3 splits; 5 measured 25% slower, a partial wave).
 
     max_context is a host-side bound (the block table's width times block_size), so the choice
     never needs a device sync and stays fixed for a CUDA-graph batch bucket.
@@ -204,8 +208,9 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     programs = max(1, num_seqs * num_kv_heads)
     if programs >= 2 * num_sms:
         return 1
+    waves = 4 if programs < 64 else 2
     splits = min(
-        triton.cdiv(4 * num_sms, programs), triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS
+        triton.cdiv(waves * num_sms, programs), triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS
     )
     return max(1, splits)
 
