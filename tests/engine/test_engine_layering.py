@@ -12,11 +12,15 @@ ALLOWED = {"engine/core/kv_cache_manager.py", "engine/cli.py"}  # cli: the nativ
 def _imports_native(path: Path) -> bool:
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.startswith("pagedinfer._native") or (
-                node.module == "pagedinfer" and any(a.name == "_native" for a in node.names)
-            ):
-                return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (
+                node.module.startswith("pagedinfer._native")
+                or (node.module == "pagedinfer" and any(a.name == "_native" for a in node.names))
+            )
+        ):
+            return True
         if isinstance(node, ast.Import) and any(a.name.startswith("pagedinfer._native") for a in node.names):
             return True
     return False
