@@ -42,14 +42,22 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda phase: None) -> BuiltEngine:
     """Load the model and everything around it; blocking (call it off the event loop)."""
     from pagedinfer.engine.models.loader import load_model
-    from pagedinfer.engine.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 
     torch.manual_seed(config.seed)
     device = resolve_device(config.device.device)
     on_phase("loading_weights")
     loaded = load_model(config.model, device, config.device.dtype, config.revision)
-    model, mc = loaded.model, loaded.model_config
-    dtype = model.dtype
+    return assemble_engine(config, loaded.model, loaded.tokenizer, on_phase)
+
+
+def assemble_engine(
+    config: EngineConfig, model, tokenizer=None, on_phase: Callable[[str], None] = lambda phase: None
+) -> BuiltEngine:
+    """Everything around an already loaded model (benchmarks pass random-weight models here)."""
+    from pagedinfer.engine.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+
+    mc = model.config
+    device, dtype = model.device, model.dtype
     sched_cfg = config.scheduler
     max_model_len = min(sched_cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     block_size = config.cache.block_size
@@ -61,7 +69,7 @@ def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda 
     if num_blocks < 1:
         raise ValueError("no room for the KV cache")
     kv_caches = allocate_kv_caches(mc, num_blocks + 1, block_size, device, dtype)
-    eos = tuple(dict.fromkeys([*mc.eos_token_ids, *(getattr(loaded.tokenizer, "stop_token_ids", ()) or ())]))
+    eos = tuple(dict.fromkeys([*mc.eos_token_ids, *(getattr(tokenizer, "stop_token_ids", ()) or ())]))
     runner = ModelRunner(
         model,
         kv_caches,
@@ -90,7 +98,7 @@ def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda 
     spec = build_speculative_decoder(
         config.speculative,
         model,
-        loaded.tokenizer,
+        tokenizer,
         num_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
@@ -99,7 +107,7 @@ def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda 
     core = EngineCore(
         scheduler,
         runner,
-        loaded.tokenizer,
+        tokenizer,
         eos_token_ids=eos,
         vocab_size=mc.vocab_size,
         seed=config.seed,
@@ -112,7 +120,7 @@ def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda 
         max_model_len,
         device,
     )
-    return BuiltEngine(core, mc, loaded.tokenizer, max_model_len, device)
+    return BuiltEngine(core, mc, tokenizer, max_model_len, device)
 
 
 def _profile_fn(model, mc, config: EngineConfig, device, dtype, backend) -> Callable[[], None]:
