@@ -271,7 +271,7 @@ def plot(result: dict, path: Path) -> None:
         if ys:
             ax1.bar(xs, ys, width, label=name)
     ax1.axhline(result["copy_gbps"], color="k", ls="--", lw=1, label="d2d copy bw")
-    ax1.set_xticks([j + 1.5 * width for j in range(len(rows))])
+    ax1.set_xticks([j + (len(names) - 1) / 2 * width for j in range(len(rows))])
     ax1.set_xticklabels([f"{r['batch']}x{r['context']}" for r in rows], rotation=45)
     ax1.set_ylabel("KV GB/s")
     ax1.set_title(f"paged decode, 32q/8kv d128 bf16 ({result['device']})")
@@ -283,7 +283,7 @@ def plot(result: dict, path: Path) -> None:
         ys = [r[name]["tflops"] for r in prows if "tflops" in r.get(name, {})]
         if ys:
             ax2.bar(xs, ys, width, label=name)
-    ax2.set_xticks([j + 1.5 * width for j in range(len(prows))])
+    ax2.set_xticks([j + (len(pnames) - 1) / 2 * width for j in range(len(prows))])
     ax2.set_xticklabels([f"{r['batch']}x{r['new_tokens']}/{r['seq_len']}" for r in prows], rotation=45)
     ax2.set_ylabel("TFLOP/s")
     ax2.set_title("prefill / extend (causal)")

@@ -103,6 +103,10 @@ def paged_extend_attention(
     checks.check_extend(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
     if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
         raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
+    if max_query_len is not None and query_start_loc.device.type == "cpu" and seq_lens.numel():
+        longest = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        if max_query_len < longest:
+            raise ValueError(f"max_query_len={max_query_len} is below the longest query ({longest} tokens)")
     if select_backend(query.device, backend) == "triton":
         from pagedinfer.kernels import extend_attention
 

@@ -139,6 +139,9 @@ def test_extend_and_write_reject_bad_arguments():
         ops.paged_extend_attention(
             q, kc, vc, tables, torch.tensor([0, 0, 2], dtype=torch.int32), lens * 0, scale
         )
+    with pytest.raises(ValueError, match="below the longest query"):
+        qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+        ops.paged_extend_attention(q, kc, vc, tables, qsl, lens, scale, max_query_len=0)
     bad_tables = tables.clone()
     bad_tables[0, 0] = kc.shape[0]
     with pytest.raises(ValueError, match="block_tables entries in use"):
