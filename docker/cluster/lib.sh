@@ -92,7 +92,7 @@ install_operator() {
   local monitoring=false
   [[ $MONITORING != none ]] && monitoring=true
   log "installing charts/pagedinfer-operator into $OPERATOR_NAMESPACE"
-  helm upgrade --install pagedinfer "$REPO_ROOT/charts/pagedinfer-operator" \
+  helm upgrade --install pagedinfer-operator "$REPO_ROOT/charts/pagedinfer-operator" \
     --namespace "$OPERATOR_NAMESPACE" --create-namespace --wait --timeout 5m \
     --set image.repository="$REGISTRY/operator" --set image.tag="$TAG" \
     --set engineImages.cpu="$(image_ref engine-cpu)" --set engineImages.gpu="$(image_ref engine)" \

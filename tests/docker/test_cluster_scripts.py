@@ -35,6 +35,15 @@ case "$tool $*" in
 esac
 exit 0
 """
+# The smoke client's stand-in: like smoke.py it waits (up to 10 s) for the port-forward.
+SMOKE_STUB = r"""#!/usr/bin/env bash
+echo "stub $*" >> "$STUB_LOG"
+for _ in $(seq 100); do
+  grep -q "^kubectl port-forward" "$STUB_LOG" && exit 0
+  sleep 0.1
+done
+exit 1
+"""
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
@@ -62,6 +71,9 @@ def _run(script: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedP
     stub.chmod(0o755)
     for tool in ("docker", "kind", "minikube", "kubectl", "helm", "nvidia-smi"):
         (bin_dir / tool).symlink_to(stub)
+    smoke = bin_dir / "smoke-stub"
+    smoke.write_text(SMOKE_STUB)
+    smoke.chmod(0o755)
     sample = tmp_path / "sample.yaml"
     sample.write_text("apiVersion: serving.pagedinfer.io/v1alpha1\nkind: InferenceEngine\n")
     log = tmp_path / "calls.log"
@@ -70,7 +82,7 @@ def _run(script: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedP
         "HOME": str(tmp_path),
         "STUB_LOG": str(log),
         "STUB_ENGINE": ENGINE,
-        "PYTHON": str(bin_dir / "stub"),  # records the smoke client's arguments
+        "PYTHON": str(smoke),  # records the smoke client's arguments
         "SAMPLE": str(sample),
         **env,
     }
@@ -96,7 +108,7 @@ def _index(calls: list[str], prefix: str) -> int:
 FLOW = [
     "helm repo add prometheus-community",
     "helm upgrade --install prometheus-operator-crds prometheus-community/prometheus-operator-crds",
-    "helm upgrade --install pagedinfer " + str(ROOT / "charts" / "pagedinfer-operator"),
+    "helm upgrade --install pagedinfer-operator " + str(ROOT / "charts" / "pagedinfer-operator"),
     "kubectl apply --namespace default -f",
     f"kubectl wait --namespace default --for=jsonpath={{.status.phase}}=Ready {ENGINE}",
     "stub " + str(CLUSTER / "smoke.py"),
@@ -137,7 +149,7 @@ def test_script_runs_the_whole_flow_in_order(script, tmp_path):
     assert _index(calls, PORT_FORWARD) > _index(calls, "kubectl wait")
     smoke = calls[_index(calls, "stub " + str(CLUSTER / "smoke.py"))]
     assert "--http http://127.0.0.1:18000 --grpc 127.0.0.1:15051 --model smollm2-135m-instruct" in smoke
-    install = calls[_index(calls, "helm upgrade --install pagedinfer ")]
+    install = calls[_index(calls, "helm upgrade --install pagedinfer-operator ")]
     for flag in (
         "--set image.repository=ghcr.io/pagedinfer/operator --set image.tag=dev",
         "--set serviceMonitor.enabled=true",
@@ -152,7 +164,7 @@ def test_values_the_scripts_set_exist_in_the_chart(tmp_path):
     schema forbids unknown keys, so helm template with them must succeed)."""
     proc, calls = _run("kind-cpu.sh", tmp_path)
     assert proc.returncode == 0, proc.stderr
-    install = calls[_index(calls, "helm upgrade --install pagedinfer ")].split()
+    install = calls[_index(calls, "helm upgrade --install pagedinfer-operator ")].split()
     sets = [install[i + 1] for i, word in enumerate(install) if word == "--set"]
     assert len(sets) >= 8
     helm = ROOT / ".tools" / "bin" / "helm"
@@ -186,7 +198,7 @@ def test_monitoring_modes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert not any(c.startswith("helm repo add prometheus-community") for c in calls)
     assert not any(c.startswith("docker build") for c in calls)
-    install = calls[_index(calls, "helm upgrade --install pagedinfer ")]
+    install = calls[_index(calls, "helm upgrade --install pagedinfer-operator ")]
     assert "--set serviceMonitor.enabled=false" in install
     (tmp_path / "stack").mkdir()
     proc, calls = _run("kind-cpu.sh", tmp_path / "stack", MONITORING="stack")
