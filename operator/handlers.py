@@ -33,6 +33,7 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"  # timers need one to stop cleanly
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = MANAGED_BY
     settings.peering.name = MANAGED_BY

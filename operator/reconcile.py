@@ -95,6 +95,9 @@ def parse_spec(body: Any) -> InferenceEngineSpec:
 async def reconcile(ctx: OperatorContext, body: Any, trigger: str) -> Outcome:
     """Bring the owned objects and status of one CR in line with its spec (serialised per CR)."""
     ref = meta.EngineRef.from_body(body)
+    if body["metadata"].get("deletionTimestamp"):
+        # Being deleted: garbage collection removes the owned objects; recreating them would race it.
+        return Outcome({}, False)
     state = ctx.state(ref)
     started = time.perf_counter()
     async with state.lock:

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -77,6 +78,20 @@ class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus the API-server behaviour listed in the module docstring."""
 
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
+    namespaces: set[str] = attrs.field(factory=lambda: {"default"})  # served at /api/v1/namespaces
+
+    def write_requests(self) -> list[kmock.Request]:
+        """Every object-modifying request served so far (Events included)."""
+        return [
+            r for r in self._requests if str(r.method.value).upper() in ("POST", "PUT", "PATCH", "DELETE")
+        ]
+
+    def is_watching(self, plural: str) -> bool:
+        """Whether a watch-stream on this resource has been opened."""
+        return any(
+            r.action == enums.action.WATCH and r.resource and r.resource.plural == plural
+            for r in self._requests
+        )
 
     def _stamp(self) -> str:
         return str(next(self._versions))
@@ -122,6 +137,30 @@ class Emulator(kmock.KubernetesEmulator):
         object.__setattr__(request, "data", data)  # the request is frozen; kmock matches it by identity
         return request
 
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock 0.8 cannot parse the cluster-scoped /api/v1/namespaces that Kopf's namespace
+        # observer lists and watches when it serves a set of namespaces.
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
+            return await self._serve_namespaces(raw_request)
+        return await super().__call__(raw_request)
+
+    async def _serve_namespaces(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        names = sorted(
+            {ns for (_, ns, _), o in self.objects.items() if ns and not o.deleted} | self.namespaces
+        )
+        items = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in names]
+        if raw_request.query.get("watch") != "true":
+            return aiohttp.web.json_response(
+                {"kind": "NamespaceList", "metadata": {"resourceVersion": "1"}, "items": items}
+            )
+        response = aiohttp.web.StreamResponse()
+        await response.prepare(raw_request)
+        for item in items:
+            await response.write(json.dumps({"type": "ADDED", "object": item}).encode() + b"\n")
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await asyncio.sleep(3600)  # an idle watch; the client closes it
+        return response
+
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is not None and isinstance(request.data, (dict, list)):
             if request.action == enums.action.CREATE and isinstance(request.data, dict):
@@ -134,12 +173,25 @@ class Emulator(kmock.KubernetesEmulator):
                     except (ValueError, KeyError, IndexError) as exc:
                         return _status_response(422, "Invalid", str(exc))
         uid = None
-        if request.resource is not None and request.action == enums.action.DELETE and request.name:
+        is_change = request.action in (enums.action.DELETE, enums.action.UPDATE)
+        if request.resource is not None and is_change and request.name:
             uid = ((self._current(request) or {}).get("metadata") or {}).get("uid")
         response = await super()._handle(request)
-        if uid is not None:
+        if request.action == enums.action.CREATE and isinstance(request.data, dict):
+            await self._collect_orphan(request)
+        # Deleted now (directly, or by a patch that released the last finalizer): collect dependents.
+        if uid is not None and self._current(request) is None:
             await self._collect_garbage({uid})
         return response
+
+    async def _collect_orphan(self, request: kmock.Request) -> None:
+        """A new object whose owner is already gone is collected too (the API server's GC would)."""
+        refs = (request.data.get("metadata") or {}).get("ownerReferences") or []
+        if not refs:
+            return
+        alive = {(o.raw.get("metadata") or {}).get("uid") for _, o in self.objects.items() if not o.deleted}
+        if not any(r.get("uid") in alive for r in refs):
+            await self._collect_garbage({r.get("uid") for r in refs})
 
     async def _collect_garbage(self, uids: set[str]) -> None:
         """Delete dependents of deleted owners, transitively (background propagation)."""
@@ -219,11 +271,15 @@ def test_config(**overrides: Any) -> OperatorConfig:
     return dataclasses.replace(base, **overrides)
 
 
-async def _wait_for_watches(memo: kopf.Memo) -> None:
-    """Kopf's watches open after `ready`; objects created before that are still listed, so this
-    only waits until the startup handler made the context (the API client) available."""
-    for _ in range(200):
-        if getattr(memo, "ctx", None) is not None:
+async def _wait_for_watches(memo: kopf.Memo, server: Emulator | None) -> None:
+    """Until the startup handler made the API client and, on kmock, every watch-stream is open.
+
+    kmock replays existing objects at the start of a watch as well as in the list before it, so
+    an object created in between would reach Kopf twice with a stale version."""
+    plurals = [PLURAL] + [r.plural for r in res.OWNED if r is not res.SERVICE_MONITOR]
+    for _ in range(400):
+        started = getattr(memo, "ctx", None) is not None
+        if started and (server is None or all(server.is_watching(p) for p in plurals)):
             return
         await asyncio.sleep(0.05)
     raise TimeoutError("operator startup did not finish")
@@ -231,22 +287,30 @@ async def _wait_for_watches(memo: kopf.Memo) -> None:
 
 @contextlib.asynccontextmanager
 async def running_operator(
-    url: str, config: OperatorConfig, *, namespaces: tuple[str, ...] = ()
+    configuration: Configuration,
+    config: OperatorConfig,
+    *,
+    namespaces: tuple[str, ...] = (),
+    use_kubeconfig: bool = False,
+    server: Emulator | None = None,
 ) -> AsyncIterator[kopf.Memo]:
-    """The operator as an asyncio task against the API at `url`; yields its memo once it is ready."""
+    """The operator as an asyncio task against `configuration.host` (kmock), or the kubeconfig's
+    cluster with `use_kubeconfig`; yields its memo once its API client exists."""
     registry = kopf.OperatorRegistry()
     register(registry, config)
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=url, insecure=True)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        if use_kubeconfig:
+            return kopf.login_with_kubeconfig(**kwargs)
+        return kopf.ConnectionInfo(server=configuration.host, insecure=True)
 
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.05
     settings.watching.server_timeout = 30
     settings.queueing.idle_timeout = 30.0
     settings.posting.enabled = False
-    memo = kopf.Memo(kube_configuration=Configuration(host=url))
+    memo = kopf.Memo(kube_configuration=configuration)
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
         kopf.operator(
@@ -262,7 +326,7 @@ async def running_operator(
     )
     try:
         await asyncio.wait_for(ready.wait(), timeout=20)
-        await _wait_for_watches(memo)
+        await _wait_for_watches(memo, server)
         yield memo
     finally:
         stop.set()
