@@ -46,4 +46,6 @@ if [[ $DEV -eq 1 ]]; then
 else
   "${PIP[@]}" install -e .
 fi
+# gRPC stubs from proto/ (also generated lazily on first import; see engine/server/proto_gen).
+.venv/bin/python -m pagedinfer.engine.server.proto_gen
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
