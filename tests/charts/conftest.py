@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -143,6 +144,40 @@ def _dropped_keys(sent: Any, kept: Any, path: str = "") -> list[str]:
     return []
 
 
+class BuiltinSchemas:
+    """kubernetes-validate's bundled strict OpenAPI schemas with one compiled validator per
+    (Kubernetes version, apiVersion, kind); its own validate() re-reads the large definitions
+    file on every call, which made the chart tests several times slower."""
+
+    def __init__(self) -> None:
+        self._validators: dict[tuple[str, str, str], Any] = {}
+
+    def validate(self, obj: dict[str, Any], version: str) -> None:
+        key = (version, obj["apiVersion"], obj["kind"])
+        if key not in self._validators:
+            self._validators[key] = self._build(*key)
+        self._validators[key].validate(obj)
+
+    @staticmethod
+    def _build(version: str, api_version: str, kind: str) -> Any:
+        from kubernetes_validate import utils
+        from referencing import Registry, Resource
+
+        full = [v for v in utils.all_versions() if utils.major_minor(v) <= version][-1]
+        group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+        folder = f"kubernetes-json-schema/v{full}-local-strict"
+        try:
+            schema = utils.schema_contents(f"{folder}/{kind.lower()}-{group}.json", version)
+        except FileNotFoundError as e:
+            raise kubernetes_validate.SchemaNotFoundError(
+                version=version, kind=kind, api_version=api_version
+            ) from e
+        definitions = utils.schema_contents(f"{folder}/_definitions.json", version)
+        registry = Resource.from_contents(schema) @ Registry()
+        registry = Resource.from_contents(definitions) @ registry
+        return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
 class Validator:
     """Validates one rendered object offline, by kind:
     built-in kinds against the Kubernetes OpenAPI schemas (kubernetes-validate, strict);
@@ -155,6 +190,7 @@ class Validator:
         version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
         self.ie_schema = crd_to_jsonschema(version["schema"]["openAPIV3Schema"])
         self.ie_api_version = f"{crd['spec']['group']}/{version['name']}"
+        self.builtin = BuiltinSchemas()
 
     def __call__(self, obj: dict[str, Any]) -> None:
         api_version, kind = obj["apiVersion"], obj["kind"]
@@ -164,7 +200,7 @@ class Validator:
             self._monitoring(obj)
         else:
             for version in K8S_VERSIONS:
-                kubernetes_validate.validate(obj, version, strict=True)
+                self.builtin.validate(obj, version)
 
     def _inference_engine(self, obj: dict[str, Any]) -> None:
         from pagedinfer.operator.spec import InferenceEngineSpec

@@ -170,3 +170,29 @@ def _deepcopy(obj: Any) -> Any:
 def test_no_latest_anywhere_in_chart_sources():
     for path in list(OPERATOR_CHART.rglob("*.yaml")) + list(ENGINE_CHART.rglob("*.yaml")):
         assert not re.search(r"image:.*:latest\b", path.read_text()), path
+
+
+def test_validator_is_strict_about_built_in_kinds(validate):
+    """The offline validator rejects a misspelt field and a wrong type, as the API server would."""
+    import jsonschema
+
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {
+            "selector": {"matchLabels": {"a": "b"}},
+            "template": {
+                "metadata": {"labels": {"a": "b"}},
+                "spec": {"containers": [{"name": "c", "image": "i:1"}]},
+            },
+        },
+    }
+    validate(deployment)
+    typo = _deepcopy(deployment)
+    typo["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    wrong_type = _deepcopy(deployment)
+    wrong_type["spec"]["replicas"] = "two"
+    for bad in (typo, wrong_type):
+        with pytest.raises(jsonschema.ValidationError):
+            validate(bad)
