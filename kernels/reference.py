@@ -1,8 +1,9 @@
 """Pure-PyTorch references of the paged-attention kernels; also the CPU production path.
 
 Same signatures as the Triton launchers (minus `backend`). Vectorized: K/V are gathered through
-the block table into a padded [num_seqs, max_len, num_kv_heads, head_dim] view and attention runs
-as batched matmuls in fp32 (fp64 for fp64 inputs). Work is chunked over sequences (and over query
+the block table into a padded [num_seqs, max_len, num_kv_heads, head_dim] copy and attention runs
+through torch's scaled_dot_product_attention with an explicit boolean mask, in fp32 (fp64 for fp64
+inputs); on the CPU that is its tiled flash kernel, which never materializes the scores. Work is chunked over sequences (and over query
 rows of long prefills) so the padded score tensor stays under a memory budget; there is no loop
 over tokens.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # Elements of the padded score tensor (fp32) one chunk may hold: 2**25 -> 128 MiB.
 _SCORE_BUDGET = 1 << 25
@@ -91,19 +93,18 @@ def paged_decode_attention(
 
 
 def _decode_chunk(query, key_cache, value_cache, block_tables, context_lens, scale, max_len):
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
     cdt = _compute_dtype(query.dtype)
-    k = _gather_kv(key_cache, block_tables, max_len).to(cdt)  # [n, L, KVH, D]
-    v = _gather_kv(value_cache, block_tables, max_len).to(cdt)
-    q = query.to(cdt).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("skgd,slkd->skgl", q, k) * scale  # [n, KVH, G, L]
+    k = _gather_kv(key_cache, block_tables, max_len).to(cdt).transpose(1, 2)  # [n, KVH, L, D]
+    v = _gather_kv(value_cache, block_tables, max_len).to(cdt).transpose(1, 2)
     pos = torch.arange(max_len, device=query.device)
-    invalid = pos[None, :] >= context_lens[:, None].to(pos.device)  # [n, L]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    out = torch.einsum("skgl,slkd->skgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    lens = context_lens.to(pos.device)
+    visible = pos[None, :] < lens[:, None]  # [n, L]
+    q = query.to(cdt).unsqueeze(2)  # [n, H, 1, D]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    out = torch.where(lens[:, None, None, None] > 0, out.nan_to_num(0.0), 0.0)  # len 0 -> zeros
+    return out.squeeze(2).to(query.dtype)
 
 
 @dataclass(frozen=True)
@@ -174,10 +175,7 @@ def paged_extend_attention(
 
 
 def _extend_group(query, key_cache, value_cache, block_tables, group, scale, out):
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = key_cache.shape[2]
     device, cdt = query.device, _compute_dtype(query.dtype)
-    n = len(group)
     max_q, max_len = max(s.q_len for s in group), max(s.seq_len for s in group)
 
     def col(name: str) -> torch.Tensor:
@@ -187,15 +185,13 @@ def _extend_group(query, key_cache, value_cache, block_tables, group, scale, out
     rows = torch.arange(max_q, device=device)
     is_row = rows[None, :] < q_lens[:, None]  # [n, Qmax]
     tokens = torch.where(is_row, starts[:, None] + rows[None, :], 0)  # [n, Qmax]
-    q = query[tokens].to(cdt).view(n, max_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    q = query[tokens].to(cdt).transpose(1, 2)  # [n, H, Qmax, D]
     tables = block_tables[seqs.to(block_tables.device)]
-    k = _gather_kv(key_cache, tables, max_len).to(cdt)  # [n, L, KVH, D]
-    v = _gather_kv(value_cache, tables, max_len).to(cdt)
-    scores = torch.einsum("nqkgd,nlkd->nkgql", q, k) * scale  # [n, KVH, G, Qmax, L]
+    k = _gather_kv(key_cache, tables, max_len).to(cdt).transpose(1, 2)  # [n, KVH, L, D]
+    v = _gather_kv(value_cache, tables, max_len).to(cdt).transpose(1, 2)
     q_pos = (lens - q_lens)[:, None] + rows[None, :]  # [n, Qmax]
     k_pos = torch.arange(max_len, device=device)
-    hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [n, Qmax, L]
-    scores.masked_fill_(hidden[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    o = torch.einsum("nkgql,nlkd->nqkgd", probs, v).reshape(n, max_q, num_heads, head_dim)
+    visible = k_pos[None, None, :] <= q_pos[:, :, None]  # [n, Qmax, L]; padded rows are discarded
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2)  # [n, Qmax, H, D]
     out[tokens[is_row]] = o[is_row].to(out.dtype)
