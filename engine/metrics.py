@@ -10,6 +10,7 @@ Gateway API Inference Extension names (`vllm:*`, with a colon) are exported.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagedinfer.engine.core.scheduler_output import StepStats
 from pagedinfer.engine.outputs import RequestOutput
 
 PREFIX = "pagedinfer_"
@@ -94,7 +96,6 @@ _STAT_GAUGES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("kv_cache_usage",), KV_USAGE, "Fraction of KV-cache blocks in use (0..1)."),
     (("fragmentation",), KV_FRAGMENTATION, "Fraction of allocated KV slots holding no token (0..1)."),
     (("prefix_cache_hit_rate",), PREFIX_HIT, "Prefix-cache hit ratio over prompt tokens (0..1)."),
-    (("spec_decode_acceptance_rate",), SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1)."),
     (("generation_tokens_per_second",), GEN_TPS, "Recent generation throughput of the engine."),
     (("kv_free_blocks", "num_free_blocks"), KV_FREE_BLOCKS, "Free KV-cache blocks (debug: leaks show here)."),
     (("kv_total_blocks", "num_total_blocks"), KV_TOTAL_BLOCKS, "KV-cache blocks in the pool."),
@@ -105,16 +106,6 @@ _STAT_COUNTERS: tuple[tuple[tuple[str, ...], str, str], ...] = (
         ("preemptions_total", "num_preemptions_total"),
         PREEMPTIONS_TOTAL,
         "Requests preempted to free KV blocks.",
-    ),
-    (
-        ("spec_decode_draft_tokens_total", "spec_decode_num_draft_tokens"),
-        SPEC_DRAFT_TOKENS_TOTAL,
-        "Draft tokens proposed.",
-    ),
-    (
-        ("spec_decode_accepted_tokens_total", "spec_decode_num_accepted_tokens"),
-        SPEC_ACCEPTED_TOKENS_TOTAL,
-        "Draft tokens accepted.",
     ),
 )
 
@@ -137,8 +128,16 @@ def _counter_family(name: str) -> str:
 class _EngineStatsCollector(Collector):
     """Scrape-time view of `engine.stats()`: gauges, cumulative counters, vllm:* aliases."""
 
-    def __init__(self, model: str, stats: StatsSource, is_ready: Callable[[], bool], vllm_names: bool):
+    def __init__(
+        self,
+        model: str,
+        stats: StatsSource,
+        is_ready: Callable[[], bool],
+        acceptance: Callable[[], float],
+        vllm_names: bool,
+    ):
         self._model = model
+        self._acceptance = acceptance
         self._stats = stats
         self._is_ready = is_ready
         self._vllm_names = vllm_names
@@ -159,6 +158,11 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
             family.add_metric(labels, _stat(stats, keys))
             yield family
+        accept = GaugeMetricFamily(
+            SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1).", labels=["model"]
+        )
+        accept.add_metric(labels, self._acceptance())
+        yield accept
         ready = GaugeMetricFamily(
             SERVER_READY, "1 when serving, 0 while loading or draining.", labels=["model"]
         )
@@ -220,15 +224,42 @@ class ServingMetrics:
         self.requests = Counter(
             _counter_family(REQUESTS_TOTAL), "Finished requests.", ["model", "finish_reason"], registry=r
         )
+        self._spec_lock = threading.Lock()
+        self._num_draft_tokens = 0
+        self._num_accepted_tokens = 0
+        self.spec_draft = Counter(
+            _counter_family(SPEC_DRAFT_TOKENS_TOTAL), "Draft tokens proposed.", labels, registry=r
+        )
+        self.spec_accepted = Counter(
+            _counter_family(SPEC_ACCEPTED_TOKENS_TOTAL), "Draft tokens accepted.", labels, registry=r
+        )
         # Series exist (at zero) from the first scrape, not only after the first request.
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_hist, self.gen_hist):
             metric.labels(model)
-        self.prompt_total.labels(model)
-        self.gen_total.labels(model)
+        for counter in (self.prompt_total, self.gen_total, self.spec_draft, self.spec_accepted):
+            counter.labels(model)
 
     def attach_engine(self, stats: StatsSource, is_ready: Callable[[], bool]) -> None:
         """Export the engine's scrape-time series; call once, before serving /metrics."""
-        self.registry.register(_EngineStatsCollector(self.model, stats, is_ready, self._enable_vllm_metrics))
+        collector = _EngineStatsCollector(
+            self.model, stats, is_ready, self.acceptance_ratio, self._enable_vllm_metrics
+        )
+        self.registry.register(collector)
+
+    def on_step(self, step: StepStats) -> None:
+        """Engine step listener (runs on the engine thread; prometheus_client is thread-safe)."""
+        if not step.num_draft_tokens:
+            return
+        self.spec_draft.labels(self.model).inc(step.num_draft_tokens)
+        self.spec_accepted.labels(self.model).inc(step.num_accepted_tokens)
+        with self._spec_lock:
+            self._num_draft_tokens += step.num_draft_tokens
+            self._num_accepted_tokens += step.num_accepted_tokens
+
+    def acceptance_ratio(self) -> float:
+        """Accepted / proposed draft tokens since start (0 without speculation)."""
+        with self._spec_lock:
+            return self._num_accepted_tokens / self._num_draft_tokens if self._num_draft_tokens else 0.0
 
     def observe_step_gap(self, seconds: float, num_new_tokens: int) -> None:
         if num_new_tokens > 0:

@@ -98,6 +98,7 @@ class ServerProcess:
             return 1
         await self.grpc.start()
         self.handle.on_ready(lambda: self.grpc.set_serving(True))
+        self.handle.on_ready(lambda: self.handle.engine.add_step_listener(self.metrics.on_step))
         logger.info(describe_urls(self.server_config, self.server_config.http_port, self.grpc.port))
         self.handle.start_loading()
         progress = loop.create_task(self._log_progress())

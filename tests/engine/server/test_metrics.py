@@ -6,6 +6,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedinfer.engine import metrics as m
+from pagedinfer.engine.core.scheduler_output import StepStats
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, RequestTiming, Usage
 
 
@@ -27,6 +28,12 @@ def _family_names(registry) -> set[str]:
     return names
 
 
+def _step(**kwargs) -> StepStats:
+    base = dict(step=1, num_running=1, num_waiting=0, num_scheduled_tokens=1, num_prompt_tokens=0)
+    base |= dict(num_generation_tokens=1, num_preemptions=0, num_finished=0, kv_cache_usage=0.1)
+    return StepStats(**(base | kwargs))
+
+
 def _final(prompt: int, completion: int) -> RequestOutput:
     timing = RequestTiming(
         queue_time=0.01, time_to_first_token=0.2, decode_time=0.5, e2e_latency=0.7, tokens_per_second=14.0
@@ -40,6 +47,8 @@ def test_every_declared_name_is_exported() -> None:
     sm.attach_engine(lambda: {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25}, lambda: True)
     sm.observe_finished(_final(5, 3), "length")
     sm.observe_step_gap(0.1, 2)
+    sm.on_step(_step(num_draft_tokens=8, num_accepted_tokens=6))
+    sm.on_step(_step(num_draft_tokens=0, num_accepted_tokens=0))
     assert _family_names(sm.registry) == set(m.METRIC_NAMES)
     s = _samples(sm.registry)
     assert s[("vllm:num_requests_running", (("model_name", "tiny"),))] == 2
@@ -48,6 +57,9 @@ def test_every_declared_name_is_exported() -> None:
     assert s[("pagedinfer_generation_tokens_total", (("model", "tiny"),))] == 3
     assert s[("pagedinfer_inter_token_latency_seconds_sum", (("model", "tiny"),))] == 0.05
     assert s[("pagedinfer_server_ready", (("model", "tiny"),))] == 1
+    assert s[("pagedinfer_spec_decode_draft_tokens_total", (("model", "tiny"),))] == 8
+    assert s[("pagedinfer_spec_decode_accepted_tokens_total", (("model", "tiny"),))] == 6
+    assert s[("pagedinfer_spec_decode_acceptance_ratio", (("model", "tiny"),))] == 0.75
 
 
 def test_vllm_names_switch_off_and_registries_are_independent() -> None:
