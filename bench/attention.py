@@ -28,6 +28,9 @@ import attention_cases as cases  # noqa: E402  (bench/ is not a package)
 
 BATCHES, CONTEXTS = (1, 16, 64, 256), (512, 2048, 8192)
 PREFILL_SHAPES = ((1, 8192, 8192), (4, 2048, 2048), (16, 512, 512), (4, 512, 4096))  # (B, new, seq_len)
+# The embedded model (head_dim 64, a GQA group of 3): a few extra rows, same columns.
+SMOLLM2_DECODE = ((1, 2048), (64, 2048), (256, 2048))
+SMOLLM2_PREFILL = ((1, 2048, 2048), (4, 512, 2048))
 TUNE_MAX_BATCH = 16  # large batches are plain streaming: one config wins everywhere (NOTES.md)
 ROTATE_BYTES = 256 << 20  # decode input sets per shape: at least this much KV (L2 is 60 MB)
 
@@ -72,11 +75,12 @@ def _bench_graph(fns: list, rep_ms: int) -> float:
     return ms
 
 
-def bench_decode(batch: int, context: int, copy_gbps: float, args) -> dict:
-    kv_bytes = cases.decode_kv_bytes(batch, context)
+def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.LLAMA) -> dict:
+    kv_bytes = cases.decode_kv_bytes(batch, context, heads)
     num_sets = min(64, -(-ROTATE_BYTES // kv_bytes))
-    sets = [cases.decode_inputs(batch, context) for _ in range(num_sets)]
-    row: dict = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "input_sets": num_sets}
+    sets = [cases.decode_inputs(batch, context, heads) for _ in range(num_sets)]
+    row: dict = {"model": heads.name, "batch": batch, "context": context, "kv_bytes": kv_bytes}
+    row["input_sets"] = num_sets
     ref = cases.ours_decode(sets[0])()
     sdpa_name = cases.pick_sdpa_decode(sets[0], lambda fn: _bench(fn, args.rep_ms))
     row["sdpa_backend"] = sdpa_name
@@ -86,7 +90,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args) -> dict:
         "sdpa": lambda x: cases.sdpa_decode(x, sdpa_name),
         "gather": lambda x: cases.gather_decode(x, sdpa_name),
     }
-    if args.cuda_lib is not None:
+    if args.cuda_lib is not None and cases.cuda_supported(heads):
         factories["cuda"] = lambda x: cases.cuda_decode(x, args.cuda_lib)
     for name, factory in factories.items():
         fns = [factory(x) for x in sets]
@@ -111,10 +115,10 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args) -> dict:
     return row
 
 
-def bench_prefill(batch: int, new: int, seq_len: int, args) -> dict:
-    x = cases.extend_inputs(batch, new, seq_len)
-    flops = cases.extend_flops(batch, new, seq_len)
-    row: dict = {"batch": batch, "new_tokens": new, "seq_len": seq_len, "flops": flops}
+def bench_prefill(batch: int, new: int, seq_len: int, args, heads=cases.LLAMA) -> dict:
+    x = cases.extend_inputs(batch, new, seq_len, heads)
+    flops = cases.extend_flops(batch, new, seq_len, heads)
+    row: dict = {"model": heads.name, "batch": batch, "new_tokens": new, "seq_len": seq_len, "flops": flops}
     ours = cases.ours_extend(x)
     ref = ours()
     variants = {"triton": ours, **cases.sdpa_prefill_variants(x)}
@@ -139,41 +143,59 @@ def _ratio(row: dict, a: str, b: str, key: str) -> float | None:
     return None
 
 
-def summarize(result: dict) -> str:
+def _rows(result: dict, kind: str, model: str = cases.LLAMA.name) -> list[dict]:
+    return [r for r in result[kind] if r.get("model", cases.LLAMA.name) == model]
+
+
+def _decode_lines(rows: list[dict]) -> list[str]:
+    names = ("triton", "fused", "cuda", "sdpa", "gather")
     lines = [
-        f"device: {result['device']}  copy bandwidth {result['copy_gbps']:.0f} GB/s (read+write)",
-        "decode (32q/8kv heads, d128, bf16, block 16): ms | GB/s | frac of copy bw",
-        f"{'batch':>5} {'ctx':>5} | {'triton':>22} | {'fused':>22} | {'cuda':>22} | {'sdpa':>22} | {'gather':>22}"
-        f" | {'vs sdpa':>7} {'vs gather':>9}",
+        f"{'batch':>5} {'ctx':>5} | "
+        + " | ".join(f"{n:>22}" for n in names)
+        + f" | {'vs sdpa':>7} {'vs gather':>9}"
     ]
-    for r in result["decode"]:
+    for r in rows:
         cells = []
-        for name in ("triton", "fused", "cuda", "sdpa", "gather"):
+        for name in names:
             v = r.get(name)
             cells.append(f"{v['ms']:8.4f} {v['gbps']:6.0f} {v['frac_copy']:5.2f}" if v else f"{'-':>22}")
-        vs_sdpa = _ratio(r, "triton", "sdpa", "gbps")
-        vs_gather = _ratio(r, "triton", "gather", "gbps")
+        vs_sdpa = _ratio(r, "triton", "sdpa", "gbps") or 0.0
+        vs_gather = _ratio(r, "triton", "gather", "gbps") or 0.0
         lines.append(
             f"{r['batch']:>5} {r['context']:>5} | "
             + " | ".join(cells)
-            + f" | {vs_sdpa or 0:7.2f} {vs_gather or 0:9.2f}"
+            + f" | {vs_sdpa:7.2f} {vs_gather:9.2f}"
         )
-    b1 = [r for r in result["decode"] if r["batch"] == 1 and r["context"] == max(CONTEXTS)]
+    return lines
+
+
+def _prefill_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        tflops = {name: v["tflops"] for name, v in r.items() if isinstance(v, dict) and "tflops" in v}
+        cells = " ".join(f"{name}={value:.0f}" for name, value in tflops.items())
+        ratio = _ratio(r, "triton", "sdpa_flash", "tflops") or 0.0
+        lines.append(
+            f"B={r['batch']} new={r['new_tokens']} len={r['seq_len']}: {cells}  triton/flash={ratio:.2f}"
+        )
+    return lines
+
+
+def summarize(result: dict) -> str:
+    lines = [f"device: {result['device']}  copy bandwidth {result['copy_gbps']:.0f} GB/s (read+write)"]
+    for heads in (cases.LLAMA, cases.SMOLLM2):
+        desc = f"{heads.name}: {heads.num_heads}q/{heads.num_kv_heads}kv heads, d{heads.head_dim}, bf16, block 16"
+        if _rows(result, "decode", heads.name):
+            lines.append(f"decode ({desc}): ms | GB/s | fraction of copy bw")
+            lines += _decode_lines(_rows(result, "decode", heads.name))
+        if _rows(result, "prefill", heads.name):
+            lines.append(f"prefill/extend ({desc}): TFLOP/s")
+            lines += _prefill_lines(_rows(result, "prefill", heads.name))
+    b1 = [r for r in _rows(result, "decode") if r["batch"] == 1 and r["context"] == max(CONTEXTS)]
     if b1:
         floor_ms = b1[0]["kv_bytes"] / result["copy_gbps"] / 1e6
         got = ", ".join(f"{n} {b1[0][n]['ms'] * 1e3:.1f} us" for n in ("triton", "fused") if n in b1[0])
-        lines.append(f"batch 1 x ctx 8192: bandwidth floor {floor_ms * 1e3:.1f} us; {got}")
-    lines.append("prefill/extend (32q/8kv, d128, bf16): TFLOP/s")
-    for r in result["prefill"]:
-        cells = " ".join(
-            f"{name}={r[name]['tflops']:.0f}"
-            for name in r
-            if isinstance(r[name], dict) and "tflops" in r[name]
-        )
-        ratio = _ratio(r, "triton", "sdpa_flash", "tflops")
-        lines.append(
-            f"B={r['batch']} new={r['new_tokens']} len={r['seq_len']}: {cells}  triton/flash={ratio or 0:.2f}"
-        )
+        lines.append(f"llama batch 1 x ctx 8192: bandwidth floor {floor_ms * 1e3:.1f} us; {got}")
     return "\n".join(lines)
 
 
@@ -208,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         for context in CONTEXTS:
             result["decode"].append(bench_decode(batch, context, result["copy_gbps"], args))
             print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "tune"}), flush=True)
-    for batch, new, seq_len in PREFILL_SHAPES:
-        result["prefill"].append(bench_prefill(batch, new, seq_len, args))
+    for batch, context in () if args.quick else SMOLLM2_DECODE:
+        result["decode"].append(bench_decode(batch, context, result["copy_gbps"], args, cases.SMOLLM2))
+        print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "tune"}), flush=True)
+    prefill = [(shape, cases.LLAMA) for shape in PREFILL_SHAPES]
+    prefill += [] if args.quick else [(shape, cases.SMOLLM2) for shape in SMOLLM2_PREFILL]
+    for (batch, new, seq_len), heads in prefill:
+        result["prefill"].append(bench_prefill(batch, new, seq_len, args, heads))
         print(json.dumps({k: v for k, v in result["prefill"][-1].items() if k != "tune"}), flush=True)
     (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
     summary = summarize(result)

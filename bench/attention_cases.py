@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,8 +15,22 @@ from pagedinfer.kernels.decode_attention import paged_decode_attention as triton
 from pagedinfer.kernels.extend_attention import ExtendConfig
 from pagedinfer.kernels.extend_attention import paged_extend_attention as triton_extend
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Attention head layout of one model."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+LLAMA = Heads("llama3-8b", 32, 8, 128)
+SMOLLM2 = Heads("smollm2-135m", 9, 3, 64)
 DECODE_SWEEP = [DecodeConfig(n, 4, s) for n, s in itertools.product((32, 64, 128), (2, 3, 4))] + [
     DecodeConfig(64, 8, 3)
 ]
@@ -28,30 +43,31 @@ EXTEND_SWEEP = [
 ]  # fmt: skip
 
 
-def _paged_cache(num_seqs: int, seq_len: int) -> dict:
+def _paged_cache(num_seqs: int, seq_len: int, heads: Heads) -> dict:
     """Random bf16 paged caches holding num_seqs x seq_len tokens behind shuffled block tables."""
     blocks_per_seq = -(-seq_len // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, heads.num_kv_heads, heads.head_dim)
     tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
     return {
         "key_cache": torch.randn(shape, device="cuda", dtype=DTYPE),
         "value_cache": torch.randn(shape, device="cuda", dtype=DTYPE),
         "block_tables": tables,
-        "scale": HEAD_DIM**-0.5,
+        "scale": heads.head_dim**-0.5,
+        "heads": heads,
     }
 
 
 def _contiguous(cache: torch.Tensor, tables: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The same tokens as a contiguous [B, KVH, seq_len, D] tensor (SDPA's layout)."""
     b = tables.shape[0]
-    dense = cache[tables.long()].view(b, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq_len]
+    dense = cache[tables.long()].view(b, -1, *cache.shape[2:])[:, :seq_len]
     return dense.transpose(1, 2).contiguous()
 
 
-def decode_inputs(batch: int, context: int) -> dict:
-    x = _paged_cache(batch, context)
-    x["query"] = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+def decode_inputs(batch: int, context: int, heads: Heads = LLAMA) -> dict:
+    x = _paged_cache(batch, context, heads)
+    x["query"] = torch.randn(batch, heads.num_heads, heads.head_dim, device="cuda", dtype=DTYPE)
     x["context_lens"] = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     x["context"] = context
     return x
@@ -63,7 +79,7 @@ def ours_fused_decode(x: dict):
 
     from pagedinfer.kernels.decode_attention import default_config
 
-    return ours_decode(x, replace(default_config(HEAD_DIM, x["query"].device), fused_reduce=True))
+    return ours_decode(x, replace(default_config(x["heads"].head_dim, x["query"].device), fused_reduce=True))
 
 
 def ours_decode(x: dict, config: DecodeConfig | None = None, num_splits: int | None = None):
@@ -77,20 +93,21 @@ def _sdpa_decode_fn(q, k, v, scale, backend, form):
     """q [B, H, D]; k/v [B, KVH, L, D]. 'grouped' runs each KV head's query group as G query rows."""
     from torch.nn.attention import sdpa_kernel
 
-    b = q.shape[0]
-    group = NUM_HEADS // NUM_KV_HEADS
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
 
     def fn():
         with sdpa_kernel([backend]):
             if form == "grouped":
                 out = F.scaled_dot_product_attention(
-                    q.view(b, NUM_KV_HEADS, group, HEAD_DIM), k, v, scale=scale
+                    q.view(b, num_kv_heads, group, head_dim), k, v, scale=scale
                 )
             else:
                 out = F.scaled_dot_product_attention(
-                    q.view(b, NUM_HEADS, 1, HEAD_DIM), k, v, scale=scale, enable_gqa=True
+                    q.view(b, num_heads, 1, head_dim), k, v, scale=scale, enable_gqa=True
                 )
-        return out.reshape(b, NUM_HEADS, HEAD_DIM)
+        return out.reshape(b, num_heads, head_dim)
 
     return fn
 
@@ -105,8 +122,8 @@ def _backends():
     }
 
 
-def decode_kv_bytes(batch: int, context: int) -> int:
-    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+def decode_kv_bytes(batch: int, context: int, heads: Heads = LLAMA) -> int:
+    return 2 * batch * context * heads.num_kv_heads * heads.head_dim * torch.finfo(DTYPE).bits // 8
 
 
 def pick_sdpa_decode(x: dict, timer) -> str:
@@ -139,10 +156,11 @@ def gather_decode(x: dict, sdpa_name: str):
     backend_name, form = sdpa_name.split("/")
     tables = x["block_tables"].long()
     b, context = tables.shape[0], x["context"]
+    kv_shape = x["key_cache"].shape[2:]
 
     def fn():
-        k = x["key_cache"][tables].view(b, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
-        v = x["value_cache"][tables].view(b, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
+        k = x["key_cache"][tables].view(b, -1, *kv_shape)[:, :context].transpose(1, 2)
+        v = x["value_cache"][tables].view(b, -1, *kv_shape)[:, :context].transpose(1, 2)
         return _sdpa_decode_fn(x["query"], k, v, x["scale"], _backends()[backend_name], form)()
 
     return fn
@@ -153,6 +171,12 @@ def load_cuda_variant():
     from pagedinfer.kernels import cuda_decode as mod
 
     return mod.load_extension()
+
+
+def cuda_supported(heads: Heads) -> bool:
+    from pagedinfer.kernels import cuda_decode as mod
+
+    return mod.supports(heads.num_heads, heads.num_kv_heads, heads.head_dim, DTYPE)
 
 
 def cuda_decode(x: dict, lib):
@@ -167,7 +191,7 @@ def tune_decode(sets: list[dict], timer, kv_bytes: int) -> list[dict]:
     from pagedinfer.kernels.decode_attention import default_num_splits
 
     x = sets[0]
-    base = default_num_splits(x["query"].shape[0], NUM_KV_HEADS, x["context"], x["query"].device)
+    base = default_num_splits(x["query"].shape[0], x["heads"].num_kv_heads, x["context"], x["query"].device)
     splits_options = sorted({max(1, base // 2), base, min(64, base * 2), min(64, base * 4)})
     rows = []
     for config, splits in itertools.product(DECODE_SWEEP, splits_options):
@@ -180,19 +204,19 @@ def tune_decode(sets: list[dict], timer, kv_bytes: int) -> list[dict]:
     return rows
 
 
-def extend_inputs(batch: int, new: int, seq_len: int) -> dict:
-    x = _paged_cache(batch, seq_len)
-    x["query"] = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+def extend_inputs(batch: int, new: int, seq_len: int, heads: Heads = LLAMA) -> dict:
+    x = _paged_cache(batch, seq_len, heads)
+    x["query"] = torch.randn(batch * new, heads.num_heads, heads.head_dim, device="cuda", dtype=DTYPE)
     x["query_start_loc"] = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device="cuda")
     x["seq_lens"] = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     x["new"], x["seq_len"] = new, seq_len
     return x
 
 
-def extend_flops(batch: int, new: int, seq_len: int) -> float:
+def extend_flops(batch: int, new: int, seq_len: int, heads: Heads = LLAMA) -> float:
     """QK^T and PV over the causally visible keys only: 4 * H * D per (query, key) pair."""
     pairs = new * (seq_len - new) + new * (new + 1) // 2
-    return 4.0 * batch * NUM_HEADS * HEAD_DIM * pairs
+    return 4.0 * batch * heads.num_heads * heads.head_dim * pairs
 
 
 def ours_extend(x: dict, config: ExtendConfig | None = None):
@@ -215,10 +239,11 @@ def sdpa_prefill_variants(x: dict) -> dict:
     from torch.nn.attention.bias import causal_lower_right
 
     b, new, seq_len = x["block_tables"].shape[0], x["new"], x["seq_len"]
-    q = x["query"].view(b, new, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    num_heads, head_dim = x["heads"].num_heads, x["heads"].head_dim
+    q = x["query"].view(b, new, num_heads, head_dim).transpose(1, 2).contiguous()
     k = _contiguous(x["key_cache"], x["block_tables"], seq_len)
     v = _contiguous(x["value_cache"], x["block_tables"], seq_len)
-    group = NUM_HEADS // NUM_KV_HEADS
+    group = num_heads // x["heads"].num_kv_heads
     k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     mask = {"is_causal": True} if new == seq_len else {"attn_mask": causal_lower_right(new, seq_len)}
 
@@ -226,7 +251,7 @@ def sdpa_prefill_variants(x: dict) -> dict:
         def fn():
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(q, kk, vv, scale=x["scale"], enable_gqa=gqa, **mask)
-            return out.transpose(1, 2).reshape(b * new, NUM_HEADS, HEAD_DIM)
+            return out.transpose(1, 2).reshape(b * new, num_heads, head_dim)
 
         return fn
 
@@ -263,7 +288,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
     names = ["triton", "fused", "cuda", "sdpa", "gather"]
-    rows = result["decode"]
+    rows = [r for r in result["decode"] if r.get("model", LLAMA.name) == LLAMA.name]
     width = 0.16
     for i, name in enumerate(names):
         xs = [j + i * width for j, r in enumerate(rows) if name in r]
@@ -276,7 +301,7 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_ylabel("KV GB/s")
     ax1.set_title(f"paged decode, 32q/8kv d128 bf16 ({result['device']})")
     ax1.legend()
-    prows = result["prefill"]
+    prows = [r for r in result["prefill"] if r.get("model", LLAMA.name) == LLAMA.name]
     pnames = ["triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
     for i, name in enumerate(pnames):
         xs = [j + i * width for j, r in enumerate(prows) if "tflops" in r.get(name, {})]

@@ -64,6 +64,11 @@ def load_extension() -> ctypes.CDLL | None:
     return lib
 
 
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the CUDA variant handles this layout (bf16, head_dim 128, GQA group 1/2/4/8)."""
+    return dtype == torch.bfloat16 and head_dim == 128 and num_heads // num_kv_heads in (1, 2, 4, 8)
+
+
 def paged_decode_attention(
     lib: ctypes.CDLL,
     query: torch.Tensor,
@@ -79,7 +84,7 @@ def paged_decode_attention(
 
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    if query.dtype != torch.bfloat16 or head_dim != 128 or num_heads // num_kv_heads not in (1, 2, 4, 8):
+    if not supports(num_heads, num_kv_heads, head_dim, query.dtype):
         raise ValueError("the CUDA decode variant supports bf16, head_dim 128, GQA groups 1/2/4/8 only")
     if key_cache.stride() != value_cache.stride() or not query.is_contiguous():
         raise ValueError("the CUDA decode variant needs a contiguous query and equal cache strides")
