@@ -58,7 +58,7 @@ step versions "$PY" -c "import torch, triton, pagedinfer.kernels; print(torch.__
 step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels
 
 # 3. benchmarks (each writes JSON + PNG + a text summary into OUTDIR)
-# shellcheck disable=SC2086  # ATTENTION_BENCH_ARGS (e.g. "--tune") splits into words
+# shellcheck disable=SC2086  # ATTENTION_BENCH_ARGS (e.g. "--tune decode") splits into words
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
