@@ -1,0 +1,193 @@
+"""Speculative decoding through the whole engine (tiny random Llama on the CPU).
+
+Greedy output must be token-for-token the non-speculative output for every proposer, with
+n > 1 forks, chunked prefill, preemption and penalties; no KV block may leak (target or draft);
+and a draft identical to the target must have every draft accepted, also when sampling with
+temperature / top-k / penalties: that proves p and q are processed identically.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedinfer.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.llm import LLM
+from pagedinfer.engine.models.llama import LlamaForCausalLM
+from pagedinfer.engine.sampling_params import SamplingParams
+from pagedinfer.engine.spec_decode.controller import SpeculativeDecoder
+from pagedinfer.engine.spec_decode.draft_model import DraftModelProposer
+from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+MAX_MODEL_LEN = 128
+
+
+def make_llm(folder, spec: SpeculativeConfig | None = None, num_blocks=256, **sched) -> LLM:
+    config = EngineConfig(
+        model=str(folder),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, **sched),
+        device=DeviceConfig(device="cpu", dtype="float32"),
+        speculative=spec or SpeculativeConfig(),
+    )
+    return LLM(config)
+
+
+def prompts(n=5, seed=0):
+    rng = random.Random(seed)
+    out = [[rng.randrange(3, 256) for _ in range(rng.randint(3, 24))] for _ in range(n)]
+    return out + [[5, 6, 7, 8, 9] * 4, [11, 12] * 8]  # repetitive: the n-gram proposer matches
+
+
+def generate(llm, params=GREEDY, ps=None):
+    return [o.token_ids for o in llm.generate(prompt_token_ids=ps or prompts(), sampling_params=params)]
+
+
+def attach_draft(llm: LLM, draft_model, k: int = 3) -> SpeculativeDecoder:
+    """Give an engine a draft-model decoder built by hand (any model, no tokenizer check)."""
+    kv = KVCacheManager(128, 4)
+    caches = allocate_kv_caches(draft_model.config, 128, 4, "cpu", torch.float32)
+    proposer = DraftModelProposer(draft_model, kv, caches, k, llm.model_config.vocab_size, "reference")
+    spec = SpeculativeDecoder(
+        SpeculativeConfig(method="draft", num_speculative_tokens=k), proposer, MAX_MODEL_LEN
+    )
+    llm.core.spec_decoder = spec
+    llm.core.runner.spec_decoder = spec
+    return spec
+
+
+def assert_no_leak(llm: LLM) -> None:
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    proposer = llm.core.spec_decoder.proposer
+    if isinstance(proposer, DraftModelProposer):
+        assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def baseline_llm(tiny_llama_dir):
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def baseline(baseline_llm):
+    return generate(baseline_llm)
+
+
+def test_ngram_greedy_is_token_for_token_identical(tiny_llama_dir, baseline):
+    llm = make_llm(tiny_llama_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    assert generate(llm) == baseline
+    stats = llm.core.spec_decoder.stats
+    assert stats.num_accepted_tokens > 0 and stats.mean_accepted_length > 1.0
+    assert_no_leak(llm)
+
+
+def test_ngram_with_forks_chunked_prefill_and_preemption(tiny_llama_dir, baseline_llm):
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    params = SamplingParams(n=2, max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = [
+        o.completions for o in baseline_llm.generate(prompt_token_ids=prompts(), sampling_params=params)
+    ]
+    llm = make_llm(tiny_llama_dir, spec, num_blocks=24, max_num_batched_tokens=7)
+    outs = llm.generate(prompt_token_ids=prompts(), sampling_params=params)
+    assert [[c.token_ids for c in o.completions] for o in outs] == [
+        [c.token_ids for c in e] for e in expected
+    ]
+    assert llm.core.scheduler.num_preemptions_total > 0
+    assert llm.core.spec_decoder.stats.num_draft_tokens > 0
+    assert_no_leak(llm)
+
+
+def test_penalties_see_the_drafts_as_history(tiny_llama_dir, baseline_llm):
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=0.0,
+        frequency_penalty=2.0,
+        presence_penalty=1.0,
+        repetition_penalty=1.3,
+        ignore_eos=True,
+    )
+    few = prompts()[-3:]
+    expected = generate(baseline_llm, params, few)
+    # The target as its own draft accepts long runs, so later rows must count earlier drafts.
+    llm = make_llm(tiny_llama_dir)
+    spec = attach_draft(llm, llm.core.runner.model, k=4)
+    assert generate(llm, params, few) == expected
+    assert spec.stats.mean_accepted_length > 2.0
+    min_tokens = SamplingParams(max_tokens=12, min_tokens=6, temperature=0.0, stop_token_ids=(6, 63))
+    assert generate(llm, min_tokens, few) == generate(baseline_llm, min_tokens, few)
+
+
+def test_self_layer_subset_draft_greedy_is_identical(tiny_llama_dir, baseline):
+    llm = make_llm(tiny_llama_dir, SpeculativeConfig(method="draft", draft_model="self:first=1"))
+    assert generate(llm) == baseline
+    assert llm.core.spec_decoder.stats.num_draft_tokens > 0
+    assert_no_leak(llm)
+
+
+def test_separately_initialized_small_draft_greedy_is_identical(tiny_llama_dir, baseline):
+    llm = make_llm(tiny_llama_dir)
+    config = ModelConfig("llama", 256, 32, 64, 1, 2, 1, 16, 256)
+    draft = LlamaForCausalLM(config, torch.float32, "cpu")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0.0, 0.3)
+    spec = attach_draft(llm, draft)
+    assert generate(llm) == baseline
+    assert spec.stats.num_draft_tokens > 0
+    assert_no_leak(llm)
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_llama_dir, baseline):
+    llm = make_llm(tiny_llama_dir)
+    spec = attach_draft(llm, llm.core.runner.model, k=4)
+    assert generate(llm) == baseline
+    assert spec.stats.acceptance_rate == 1.0 and spec.stats.mean_accepted_length > 4.0
+    # Sampling: p == q up to float rounding only if both see the same processing at every position.
+    params = SamplingParams(
+        max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, frequency_penalty=2.0, seed=3
+    )
+    before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens)
+    generate(llm, params)
+    drafted = spec.stats.num_draft_tokens - before[0]
+    accepted = spec.stats.num_accepted_tokens - before[1]
+    assert drafted > 50 and accepted >= 0.99 * drafted
+    assert_no_leak(llm)
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    target = prompts()[-2]
+    alone = generate(llm, params, [target])[0]
+    batched = generate(llm, params, prompts())
+    assert batched[-2] == alone
+
+
+def test_per_request_opt_out_and_batch_size_cutoff(tiny_llama_dir, baseline):
+    llm = make_llm(tiny_llama_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    off = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, use_speculation=False)
+    assert generate(llm, off) == baseline
+    assert llm.core.spec_decoder.stats.num_draft_tokens == 0
+    big = make_llm(tiny_llama_dir, SpeculativeConfig(method="ngram", max_batch_size=2))
+    assert generate(big) == baseline  # 7 running > 2: no step speculates until few are left
+    stats = big.core.spec_decoder.stats
+    assert stats.num_draft_tokens < llm_drafts(tiny_llama_dir)
+
+
+def llm_drafts(folder) -> int:
+    llm = make_llm(folder, SpeculativeConfig(method="ngram"))
+    generate(llm)
+    return llm.core.spec_decoder.stats.num_draft_tokens
