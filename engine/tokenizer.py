@@ -137,14 +137,12 @@ class Tokenizer:
         """From the metadata of a `GGUFCheckpoint` (byte-level BPE vocabularies)."""
         kind = checkpoint.metadata.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise TokenizerError(
-                f"{checkpoint.path}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2')"
-            )
+            raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2')")
         tokens: list[str] = checkpoint.field("tokenizer.ggml.tokens") or []
         merges: list[str] = checkpoint.field("tokenizer.ggml.merges") or []
         token_types: list[int] = checkpoint.field("tokenizer.ggml.token_type") or [1] * len(tokens)
         if not tokens or len(token_types) != len(tokens):
-            raise TokenizerError(f"{checkpoint.path}: GGUF vocabulary missing or token types mismatched")
+            raise TokenizerError("GGUF vocabulary missing, or its token types do not match it")
         backend = _gguf_byte_level_backend(tokens, merges, token_types, checkpoint.metadata)
         meta = checkpoint.metadata
 

@@ -96,10 +96,14 @@ def _plan_gguf(path: Path) -> _LoadPlan:
     checkpoint = GGUFCheckpoint(path)
     config = model_config_from_gguf(checkpoint.metadata, checkpoint.gguf_shapes(), str(path))
     check_weight_shapes(checkpoint.hf_shapes(), config, str(path))
-    try:
-        tokenizer = Tokenizer.from_gguf(checkpoint, extra_stop_token_ids=config.eos_token_ids)
-    except TokenizerError as exc:
-        raise ModelLoadError(str(path), str(exc)) from exc
+    tokenizer = None
+    if "tokenizer.ggml.model" in checkpoint.metadata:
+        try:
+            tokenizer = Tokenizer.from_gguf(checkpoint, extra_stop_token_ids=config.eos_token_ids)
+        except TokenizerError as exc:
+            raise ModelLoadError(str(path), str(exc)) from exc
+    else:
+        logger.warning("%s: no tokenizer metadata; the model loads without a tokenizer", path)
     return _LoadPlan(
         config, tokenizer, len(checkpoint.gguf_shapes()), lambda: checkpoint.iter_weights(config)
     )
