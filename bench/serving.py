@@ -157,6 +157,81 @@ def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     return [[(1000 + 7919 * i + 104729 * j) % (vocab - 10) + 5 for j in range(length)] for i in range(count)]
 
 
+# ---- a random model (the GPU machine has no network and no embedded model) -------------------
+RANDOM_SHAPES = {  # Llama bodies with a byte-level vocabulary (256 bytes + 2 specials)
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+}
+
+
+def write_random_llama(folder: Path, shape: str, seed: int = 0) -> Path:
+    """A random Llama checkpoint (HF layout: config.json, model.safetensors, tokenizer.json)."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    cfg = {**RANDOM_SHAPES[shape], "vocab_size": 258, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+    cfg |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0}
+    cfg |= {"bos_token_id": 256, "eos_token_id": 257, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
+    )
+    g = torch.Generator().manual_seed(seed)
+    h, inter, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    head_dim = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head_dim
+
+    def w(*shape_: int) -> torch.Tensor:
+        return (torch.randn(*shape_, generator=g) * shape_[-1] ** -0.5).to(torch.bfloat16)
+
+    tensors = {
+        "model.embed_tokens.weight": w(258, h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(h, h),
+            p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(inter, h),
+            p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
 # ---- server process ---------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -305,6 +380,9 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin://smollm2-135m")
+    p.add_argument(
+        "--random-model", choices=sorted(RANDOM_SHAPES), help="write and serve a random Llama of this shape"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated N values")
     p.add_argument("--requests-per-client", type=int, default=2)
@@ -321,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
     args.protocols = [x.strip() for x in args.protocols.split(",") if x.strip()]
+    if args.random_model:
+        args.model = str(
+            write_random_llama(Path(tempfile.mkdtemp(prefix="random-llama-")), args.random_model)
+        )
+    # SIGTERM (timeouts in run_gpu.sh) still stops the server child through the finally below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     server = Server(server_args(args)).start()
     try:
@@ -337,11 +421,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             r.ratio_vs_offline = r.tokens_per_second / by_n[r.concurrency]
         results = offline + results
-    print("\nserving overhead (server tok/s / offline tok/s, target >= 0.95):")
-    for r in results:
-        if r.ratio_vs_offline is not None:
-            print(f"  {r.mode:5s} N={r.concurrency:<4d} ratio={r.ratio_vs_offline:.3f}")
-    _write(args, results, info)
+    lines = [_fmt(r) for r in results]
+    lines += ["", "serving overhead (server tok/s / offline tok/s, target >= 0.95):"]
+    lines += [
+        f"  {r.mode:5s} N={r.concurrency:<4d} ratio={r.ratio_vs_offline:.3f}"
+        for r in results
+        if r.ratio_vs_offline
+    ]
+    print("\n".join(lines[len(results) :]))
+    _write(args, results, info, lines)
     return 0
 
 
@@ -355,13 +443,13 @@ def _vocab(server: Server) -> int:
         return pb_grpc.InferenceServiceStub(ch).GetModelInfo(pb.GetModelInfoRequest()).vocab_size
 
 
-def _write(args, results: list[LevelResult], info: dict) -> None:
+def _write(args, results: list[LevelResult], info: dict, lines: list[str]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or args.device
     payload = {
         "benchmark": "serving",
-        "model": args.model,
+        "model": args.model if not args.random_model else f"random {args.random_model}",
         "served_model": info["id"],
         "device": args.device,
         "machine": {
@@ -380,6 +468,7 @@ def _write(args, results: list[LevelResult], info: dict) -> None:
         "results": [asdict(r) for r in results],
     }
     (out / f"serving_{tag}.json").write_text(json.dumps(payload, indent=2))
+    (out / f"serving_{tag}_summary.txt").write_text("\n".join(lines) + "\n")
     plot(results, out / f"serving_{tag}.png", f"pagedinfer serve: {args.model} on {args.device}")
     print(f"wrote {out / f'serving_{tag}.json'} and .png")
 
