@@ -30,6 +30,10 @@ template <typename T>
 class IntArray {
  public:
   IntArray(py::handle obj, const char* name) {
+    if (PyList_Check(obj.ptr()) || PyTuple_Check(obj.ptr())) {
+      from_sequence(obj, name);
+      return;
+    }
     using Exact = py::array_t<T, py::array::c_style>;
     if (Exact::check_(obj)) {
       auto array = py::reinterpret_borrow<Exact>(obj);
@@ -39,14 +43,10 @@ class IntArray {
       size_ = array.size();
       return;
     }
-    if (PyList_Check(obj.ptr()) || PyTuple_Check(obj.ptr())) {
-      from_sequence(obj, name);
-    } else {
-      from_array(obj, name);
-    }
-    data_ = storage_.data();
-    size_ = static_cast<int64_t>(storage_.size());
+    from_array(obj, name);
   }
+  IntArray(const IntArray&) = delete;
+  IntArray& operator=(const IntArray&) = delete;
   const T* data() const { return data_; }
   int64_t size() const { return size_; }
 
@@ -58,22 +58,30 @@ class IntArray {
     }
     return static_cast<T>(value);
   }
+  // Short inputs (one decode token) stay in the object: no heap allocation per call.
+  T* allocate(int64_t n) {
+    size_ = n;
+    if (n <= kInline) return data_ = inline_, inline_;
+    storage_.resize(n);
+    data_ = storage_.data();
+    return storage_.data();
+  }
   void from_sequence(py::handle obj, const char* name) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(obj.ptr());
     PyObject** items = PySequence_Fast_ITEMS(obj.ptr());
-    storage_.resize(n);
+    T* out = allocate(n);
     for (Py_ssize_t i = 0; i < n; ++i) {
-      if (!PyLong_Check(items[i])) {
-        storage_[i] = checked(py::reinterpret_borrow<py::object>(items[i])
-                                  .attr("__index__")()
-                                  .template cast<long long>(),
-                              name);
+      if (!PyLong_Check(items[i])) {  // NumPy integer scalars and other __index__ types
+        out[i] = checked(py::reinterpret_borrow<py::object>(items[i])
+                             .attr("__index__")()
+                             .template cast<long long>(),
+                         name);
         continue;
       }
       int overflow = 0;
       long long value = PyLong_AsLongLongAndOverflow(items[i], &overflow);
       if (overflow != 0) throw py::value_error(std::string(name) + " value is out of range");
-      storage_[i] = checked(value, name);
+      out[i] = checked(value, name);
     }
   }
   void from_array(py::handle obj, const char* name) {
@@ -85,11 +93,13 @@ class IntArray {
       throw py::type_error(std::string(name) + " must hold integers");
     }
     auto wide = py::array_t<long long, py::array::c_style | py::array::forcecast>::ensure(array);
-    storage_.resize(wide.size());
-    for (py::ssize_t i = 0; i < wide.size(); ++i) storage_[i] = checked(wide.data()[i], name);
+    T* out = allocate(wide.size());
+    for (py::ssize_t i = 0; i < wide.size(); ++i) out[i] = checked(wide.data()[i], name);
   }
 
+  static constexpr int64_t kInline = 16;
   py::object keep_;
+  T inline_[kInline];
   std::vector<T> storage_;
   const T* data_ = nullptr;
   int64_t size_ = 0;
@@ -101,9 +111,9 @@ py::array_t<int32_t> to_numpy(const std::vector<int32_t>& values) {
   return out;
 }
 
-py::list to_list(const std::vector<pi::BlockCopy>& copies) {
+py::list to_list(const std::optional<pi::BlockCopy>& copied) {
   py::list out;
-  for (const auto& c : copies) out.append(py::make_tuple(c.src, c.dst));
+  if (copied) out.append(py::make_tuple(copied->src, copied->dst));
   return out;
 }
 
@@ -151,6 +161,20 @@ class PyBlockManager {
     return to_list(locked(ids.size() >= kBulkTokens, [&](pi::BlockManager& c) {
       return c.append_tokens(seq_id, ids.data(), ids.size());
     }));
+  }
+  py::list append_tokens_batch(py::handle seq_ids, py::handle token_ids, py::handle num_tokens) {
+    IntArray<int64_t> ids(seq_ids, "seq_ids");
+    IntArray<int32_t> tokens(token_ids, "token_ids");
+    IntArray<int32_t> counts(num_tokens, "num_tokens");
+    if (ids.size() != counts.size())
+      throw py::value_error("seq_ids and num_tokens differ in length");
+    std::vector<pi::BlockCopy> copies = locked(true, [&](pi::BlockManager& c) {
+      return c.append_tokens_batch(ids.data(), counts.data(), ids.size(), tokens.data(),
+                                   tokens.size());
+    });
+    py::list out;
+    for (const auto& copy : copies) out.append(py::make_tuple(copy.src, copy.dst));
+    return out;
   }
   void mark_computed(py::handle seq_ids, py::handle num_computed) {
     IntArray<int64_t> ids(seq_ids, "seq_ids");
@@ -244,6 +268,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("enable_prefix_caching") = true)
       .def("add_sequence", &M::add_sequence, py::arg("seq_id"), py::arg("token_ids"))
       .def("append_tokens", &M::append_tokens, py::arg("seq_id"), py::arg("token_ids"))
+      .def("append_tokens_batch", &M::append_tokens_batch, py::arg("seq_ids"), py::arg("token_ids"),
+           py::arg("num_tokens"),
+           "append_tokens for many sequences in one call (all or nothing); returns all copies.")
       .def(
           "blocks_needed_to_append",
           [](M& self, int64_t id, int64_t n) {
@@ -262,7 +289,8 @@ PYBIND11_MODULE(_native, m) {
           "truncate",
           [](M& self, int64_t id, int64_t n) {
             Guard g(self.mutex_);
-            return to_list(self.core_.truncate(id, n));
+            self.core_.truncate(id, n);
+            return py::list();  // copy-on-write is deferred to the next append
           },
           py::arg("seq_id"), py::arg("num_tokens"))
       .def(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedinfer.engine.core.block_pool_ref_check import check_invariants
+from pagedinfer.engine.core.block_pool_ref_check import check_invariants, compute_stats
 
 ROOT_HASH = 0x243F6A8885A308D3
 _INT32 = (-(2**31), 2**31 - 1)
@@ -233,6 +233,9 @@ class BlockManager:
         if not tokens:
             return []
         self._require(self._append_need(seq, len(tokens)), "append_tokens")
+        return self._append(seq, tokens)
+
+    def _append(self, seq: _Sequence, tokens: list[int]) -> list[tuple[int, int]]:
         copies: list[tuple[int, int]] = []
         if len(seq.tokens) % self.block_size != 0:
             last = seq.blocks[-1]
@@ -247,6 +250,43 @@ class BlockManager:
                 self._unregister(last)  # its content is about to change
         self._write(seq, len(seq.tokens), tokens)
         seq.tokens.extend(tokens)
+        return copies
+
+    def append_tokens_batch(
+        self,
+        seq_ids: Sequence[int] | np.ndarray,
+        token_ids: Sequence[int] | np.ndarray,
+        num_tokens: Sequence[int] | np.ndarray,
+    ) -> list[tuple[int, int]]:
+        """append_tokens for many sequences in one call (all or nothing); returns all copies."""
+        ids = _int_list(seq_ids, "seq_ids")
+        tokens = _int_list(token_ids, "token_ids")
+        counts = _int_list(num_tokens, "num_tokens")
+        if len(ids) != len(counts):
+            raise ValueError("seq_ids and num_tokens differ in length")
+        seqs = [self._get(i) for i in ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a sequence id appears twice in one batch")
+        if any(n < 0 for n in counts):
+            raise ValueError("num_tokens must be >= 0")
+        if sum(counts) != len(tokens):
+            raise ValueError("token_ids length differs from the sum of num_tokens")
+        # Of k writers into a shared last block with refcount r, the first min(k, r - 1) copy.
+        writers: dict[int, int] = {}
+        needed = 0
+        for seq, n in zip(seqs, counts, strict=True):
+            length = len(seq.tokens)
+            needed += self._blocks_for(length + n) - self._blocks_for(length)
+            if n > 0 and length % self.block_size != 0 and self._refcount[seq.blocks[-1]] > 1:
+                writers[seq.blocks[-1]] = writers.get(seq.blocks[-1], 0) + 1
+        needed += sum(min(k, self._refcount[b] - 1) for b, k in writers.items())
+        self._require(needed, "append_tokens_batch")
+        copies: list[tuple[int, int]] = []
+        start = 0
+        for seq, n in zip(seqs, counts, strict=True):
+            if n > 0:
+                copies += self._append(seq, tokens[start : start + n])
+            start += n
         return copies
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -385,33 +425,7 @@ class BlockManager:
         return np.array(self._block_tokens[block_id], dtype=np.int32)
 
     def stats(self) -> dict[str, int | float]:
-        total, free, cached = self.num_total_blocks, len(self._free), len(self._lru)
-        used = total - free - cached
-        fill: dict[int, int] = {}  # a shared block stores as many tokens as its fullest user
-        for seq in self._seqs.values():
-            for i, block in enumerate(seq.blocks):
-                fill[block] = max(
-                    fill.get(block, 0), min(self.block_size, len(seq.tokens) - i * self.block_size)
-                )
-        stored = sum(fill.values())
-        c = self._counters
-        queries = c["prefix_cache_queries"]
-        return {
-            "total_blocks": total,
-            "free_blocks": free,
-            "used_blocks": used,
-            "cached_blocks": cached,
-            "available_blocks": free + cached,
-            "occupancy": used / total,
-            "stored_tokens": stored,
-            "fragmentation_ratio": 1.0 - stored / (used * self.block_size) if used else 0.0,
-            "prefix_cache_hits": c["prefix_cache_hits"],
-            "prefix_cache_queries": queries,
-            "prefix_cache_hit_rate": c["prefix_cache_hits"] / queries if queries else 0.0,
-            "cow_copies": c["cow_copies"],
-            "evictions": c["evictions"],
-            "num_sequences": len(self._seqs),
-        }
+        return compute_stats(self)
 
     def check_invariants(self) -> None:
         check_invariants(self)

@@ -1,4 +1,4 @@
-"""Invariant check of the reference block manager (mirrors native check_invariants)."""
+"""Invariant check and statistics of the reference block manager (mirror the native ones)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,31 @@ def _check_sequences(bm: BlockManager) -> None:
         _require(
             count == bm._refcount[block], f"block {block} refcount {bm._refcount[block]} != {count} refs"
         )
+
+
+def compute_stats(bm: BlockManager) -> dict[str, int | float]:
+    total, free, cached = bm.num_total_blocks, len(bm._free), len(bm._lru)
+    used = total - free - cached
+    fill: dict[int, int] = {}  # a shared block stores as many tokens as its fullest user
+    for seq in bm._seqs.values():
+        for i, block in enumerate(seq.blocks):
+            fill[block] = max(fill.get(block, 0), min(bm.block_size, len(seq.tokens) - i * bm.block_size))
+    stored = sum(fill.values())
+    c = bm._counters
+    queries = c["prefix_cache_queries"]
+    return {
+        "total_blocks": total,
+        "free_blocks": free,
+        "used_blocks": used,
+        "cached_blocks": cached,
+        "available_blocks": free + cached,
+        "occupancy": used / total,
+        "stored_tokens": stored,
+        "fragmentation_ratio": 1.0 - stored / (used * bm.block_size) if used else 0.0,
+        "prefix_cache_hits": c["prefix_cache_hits"],
+        "prefix_cache_queries": queries,
+        "prefix_cache_hit_rate": c["prefix_cache_hits"] / queries if queries else 0.0,
+        "cow_copies": c["cow_copies"],
+        "evictions": c["evictions"],
+        "num_sequences": len(bm._seqs),
+    }

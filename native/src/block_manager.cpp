@@ -132,28 +132,91 @@ int64_t BlockManager::blocks_needed_to_append(int64_t seq_id, int64_t num_tokens
   return append_need(sequence(seq_id), num_tokens);
 }
 
-std::vector<BlockCopy> BlockManager::append_tokens(int64_t seq_id, const int32_t* tokens,
-                                                   int64_t num_tokens) {
+std::optional<BlockCopy> BlockManager::append_tokens(int64_t seq_id, const int32_t* tokens,
+                                                     int64_t num_tokens) {
   Sequence& seq = get(seq_id);
   if (num_tokens < 0) throw std::invalid_argument("num_tokens must be >= 0");
-  std::vector<BlockCopy> copies;
-  if (num_tokens == 0) return copies;
+  if (num_tokens == 0) return std::nullopt;
   require_blocks(append_need(seq, num_tokens), "append_tokens");
-  int64_t len = static_cast<int64_t>(seq.tokens.size());
-  copies.reserve(1);
-  reserve_amortized(&seq.tokens, len + num_tokens);
-  reserve_amortized(&seq.blocks, blocks_for(len + num_tokens));
+  reserve_append(&seq, num_tokens);
+  return append_unchecked(&seq, tokens, num_tokens);
+}
+
+std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
+                                                         const int32_t* num_tokens, int64_t batch,
+                                                         const int32_t* token_ids,
+                                                         int64_t num_token_ids) {
+  std::vector<Sequence*> seqs = distinct_sequences(seq_ids, batch);
+  // Exact need: new blocks per sequence, plus copies of shared partly filled last blocks. Of
+  // k writers into a block with refcount r, the first min(k, r - 1) copy; the last may write
+  // in place once every other holder has moved away.
+  int64_t needed = 0;
+  int64_t total = 0;
+  std::unordered_map<int32_t, int32_t> writers;  // shared last block -> appending holders
+  for (int64_t i = 0; i < batch; ++i) {
+    if (num_tokens[i] < 0) throw std::invalid_argument("num_tokens must be >= 0");
+    total += num_tokens[i];
+    int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());
+    needed += blocks_for(len + num_tokens[i]) - blocks_for(len);
+    if (num_tokens[i] > 0 && len % block_size_ != 0 && pool_.refcount(seqs[i]->blocks.back()) > 1) {
+      ++writers[seqs[i]->blocks.back()];
+    }
+  }
+  if (total != num_token_ids) {
+    throw std::invalid_argument("token_ids holds " + std::to_string(num_token_ids) +
+                                " tokens but num_tokens sums to " + std::to_string(total));
+  }
+  int64_t num_copies = 0;
+  for (const auto& [block, count] : writers)
+    num_copies += std::min(count, pool_.refcount(block) - 1);
+  require_blocks(needed + num_copies, "append_tokens_batch");
+  std::vector<BlockCopy> copies;
+  copies.reserve(num_copies);
+  for (int64_t i = 0; i < batch; ++i) reserve_append(seqs[i], num_tokens[i]);
   // Nothing below throws.
+  for (int64_t i = 0; i < batch; ++i) {
+    if (num_tokens[i] > 0) {
+      if (auto copied = append_unchecked(seqs[i], token_ids, num_tokens[i]))
+        copies.push_back(*copied);
+    }
+    token_ids += num_tokens[i];
+  }
+  return copies;
+}
+
+std::vector<Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids, int64_t batch) {
+  std::vector<Sequence*> seqs;
+  seqs.reserve(batch);
+  for (int64_t i = 0; i < batch; ++i) seqs.push_back(&get(seq_ids[i]));
+  std::vector<Sequence*> sorted = seqs;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    throw std::invalid_argument("a sequence id appears twice in one batch");
+  }
+  return seqs;
+}
+
+void BlockManager::reserve_append(Sequence* seq, int64_t num_tokens) {
+  int64_t len = static_cast<int64_t>(seq->tokens.size());
+  reserve_amortized(&seq->tokens, len + num_tokens);
+  reserve_amortized(&seq->blocks, blocks_for(len + num_tokens));
+}
+
+// Requires the blocks to be available (checked by the caller) and the room reserved.
+std::optional<BlockCopy> BlockManager::append_unchecked(Sequence* seq, const int32_t* tokens,
+                                                        int64_t num_tokens) noexcept {
+  std::optional<BlockCopy> copied;
+  int64_t len = static_cast<int64_t>(seq->tokens.size());
   if (len % block_size_ != 0) {
-    int32_t last = seq.blocks.back();
+    int32_t last = seq->blocks.back();
     if (pool_.refcount(last) > 1) {
       int32_t copy = allocate_block();
       std::memcpy(&block_tokens_[static_cast<size_t>(copy) * block_size_],
                   &block_tokens_[static_cast<size_t>(last) * block_size_],
                   sizeof(int32_t) * block_size_);
       release_block(last);
-      seq.blocks.back() = copy;
-      copies.push_back({last, copy});
+      seq->blocks.back() = copy;
+      copied = BlockCopy{last, copy};
       ++cow_copies_;
     } else if (cache_.is_registered(last)) {
       cache_.erase(last);  // its content is about to change: never serve it again
@@ -161,12 +224,12 @@ std::vector<BlockCopy> BlockManager::append_tokens(int64_t seq_id, const int32_t
   }
   for (int64_t i = 0; i < num_tokens; ++i) {
     int64_t pos = len + i;
-    if (pos % block_size_ == 0) seq.blocks.push_back(allocate_block());
-    block_tokens_[static_cast<size_t>(seq.blocks.back()) * block_size_ + pos % block_size_] =
+    if (pos % block_size_ == 0) seq->blocks.push_back(allocate_block());
+    block_tokens_[static_cast<size_t>(seq->blocks.back()) * block_size_ + pos % block_size_] =
         tokens[i];
   }
-  seq.tokens.insert(seq.tokens.end(), tokens, tokens + num_tokens);
-  return copies;
+  seq->tokens.insert(seq->tokens.end(), tokens, tokens + num_tokens);
+  return copied;
 }
 
 void BlockManager::fork(int64_t parent_id, int64_t child_id) {
@@ -177,7 +240,7 @@ void BlockManager::fork(int64_t parent_id, int64_t child_id) {
   for (int32_t block : stored.blocks) pool_.incref(block);
 }
 
-std::vector<BlockCopy> BlockManager::truncate(int64_t seq_id, int64_t num_tokens) {
+void BlockManager::truncate(int64_t seq_id, int64_t num_tokens) {
   Sequence& seq = get(seq_id);
   int64_t len = static_cast<int64_t>(seq.tokens.size());
   if (num_tokens < 0 || num_tokens > len) {
@@ -193,7 +256,6 @@ std::vector<BlockCopy> BlockManager::truncate(int64_t seq_id, int64_t num_tokens
   seq.tokens.resize(num_tokens);
   seq.num_hashed_blocks =
       static_cast<int32_t>(std::min<int64_t>(seq.num_hashed_blocks, num_tokens / block_size_));
-  return {};
 }
 
 void BlockManager::free(int64_t seq_id) {

@@ -19,7 +19,7 @@ int64_t add(BlockManager& bm, int64_t id, const std::vector<int32_t>& tokens) {
   return bm.add_sequence(id, tokens.data(), static_cast<int64_t>(tokens.size()));
 }
 
-std::vector<BlockCopy> append(BlockManager& bm, int64_t id, const std::vector<int32_t>& tokens) {
+std::optional<BlockCopy> append(BlockManager& bm, int64_t id, const std::vector<int32_t>& tokens) {
   return bm.append_tokens(id, tokens.data(), static_cast<int64_t>(tokens.size()));
 }
 
@@ -52,13 +52,13 @@ TEST(BlockManager, CopyOnWriteOnSharedPartialBlock) {
   add(bm, 1, iota(6));
   bm.fork(1, 2);
   EXPECT_EQ(bm.blocks_needed_to_append(2, 1), 1);
-  auto copies = append(bm, 2, {42});
-  ASSERT_EQ(copies.size(), 1u);
-  EXPECT_EQ(copies[0], (BlockCopy{1, 2}));
+  auto copied = append(bm, 2, {42});
+  ASSERT_TRUE(copied.has_value());
+  EXPECT_EQ(*copied, (BlockCopy{1, 2}));
   EXPECT_EQ(bm.block_tokens(2)[1], 5);  // copied content
   EXPECT_EQ(bm.block_tokens(2)[2], 42);
   EXPECT_EQ(bm.block_tokens(1)[2], 0);  // the parent's block is untouched
-  EXPECT_TRUE(append(bm, 1, {7}).empty());
+  EXPECT_FALSE(append(bm, 1, {7}).has_value());
   EXPECT_EQ(bm.stats().cow_copies, 1);
   bm.check_invariants();
 }

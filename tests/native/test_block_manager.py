@@ -230,3 +230,25 @@ def test_disabled_prefix_caching(impl) -> None:
     assert bm.add_sequence(2, list(range(8))) == 0
     bm.free(1)
     assert bm.stats()["cached_blocks"] == 0 and bm.stats()["prefix_cache_queries"] == 0
+
+
+def test_append_tokens_batch_counts_shared_writers_exactly(impl) -> None:
+    bm = impl.BlockManager(5, 4)
+    bm.add_sequence(1, [1, 2, 3, 4, 5, 6])  # blocks 0, 1 (half full)
+    bm.fork(1, 2)
+    bm.fork(1, 3)  # block 1 has 3 holders
+    # Three writers into block 1: two copy, the last writes in place. 2 copies <= 3 free blocks.
+    copies = bm.append_tokens_batch(ids(1, 2, 3), [7, 8, 9], i32(1, 1, 1))
+    assert copies == [(1, 2), (1, 3)]
+    assert bm.block_table(3).tolist() == [0, 1] and bm.token_ids(3).tolist()[-1] == 9
+    assert [bm.token_ids(i).tolist()[-1] for i in (1, 2)] == [7, 8]
+    with pytest.raises(impl.OutOfBlocksError):
+        bm.append_tokens_batch(ids(1, 2), [0] * 6, i32(3, 3))  # 2 new blocks, 1 left
+    assert bm.num_tokens(1) == 7 and bm.num_tokens(2) == 7  # all or nothing
+    with pytest.raises(ValueError):
+        bm.append_tokens_batch(ids(1, 1), [0, 0], i32(1, 1))  # duplicate id
+    with pytest.raises(ValueError):
+        bm.append_tokens_batch(ids(1), [0, 0], i32(1))  # token count mismatch
+    with pytest.raises(KeyError):
+        bm.append_tokens_batch(ids(9), [0], i32(1))
+    bm.check_invariants()

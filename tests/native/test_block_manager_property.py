@@ -8,11 +8,14 @@ everything is freed and no block leaks.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedinfer.engine.core import block_pool_ref as ref
 from tests.native.harness import Lockstep
 
 # A small alphabet and a few shared stems make prefix-cache hits (and collisions of content
@@ -59,6 +62,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(copies) <= 1
             self.h.tokens[seq_id] = self.h.tokens[seq_id] + tail
             self.h.assert_exclusive(seq_id, start, start + len(tail))
+
+    @precondition(lambda self: self.h.tokens)
+    @rule(data=st.data())
+    def append_batch(self, data) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.h.tokens)), min_size=1, max_size=4))
+        tails = [data.draw(tokens_st.map(lambda t: t[:6])) for _ in ids]
+        counts = [len(t) for t in tails]
+        bs = self.h.block_size
+        new_blocks = sum(
+            -(-(len(self.h.tokens[i]) + n) // bs) - -(-len(self.h.tokens[i]) // bs)
+            for i, n in zip(ids, counts, strict=True)
+        )
+        sequential = copy.deepcopy(self.h.ref)  # what one append per sequence would do
+        free_before = self.h.native.num_free_blocks
+        status, copies = self.h.call("append_tokens_batch", ids, [t for tail in tails for t in tail], counts)
+        if len(set(ids)) != len(ids):
+            assert status == "error"
+            return
+        try:
+            for seq_id, tail in zip(ids, tails, strict=True):
+                sequential.append_tokens(seq_id, tail)
+            fits = True
+        except ref.OutOfBlocksError:
+            fits = False
+        assert (status == "ok") == fits  # the batch pre-check is exact, not conservative
+        if status == "ok":
+            assert free_before - self.h.native.num_free_blocks == new_blocks + len(copies)
+            for seq_id, tail in zip(ids, tails, strict=True):
+                start = len(self.h.tokens[seq_id])
+                self.h.tokens[seq_id] = self.h.tokens[seq_id] + tail
+                self.h.assert_exclusive(seq_id, start, start + len(tail))
+                assert sequential.block_table(seq_id).tolist() == self.h.ref.block_table(seq_id).tolist()
 
     @precondition(lambda self: self.h.tokens)
     @rule(data=st.data())

@@ -23,7 +23,7 @@ def _prompt(rng: random.Random, block_size: int) -> list[int]:
 
 def _step(h: Lockstep, rng: random.Random, next_id: int) -> int:
     ids = sorted(h.tokens)
-    op = rng.choice(["add", "add", "append", "append", "append", "fork", "truncate", "free", "mark"])
+    op = rng.choice(["add", "add", "append", "append", "batch", "fork", "truncate", "free", "mark"])
     if op == "add" or not ids:
         tokens = _prompt(rng, h.block_size)
         if h.call("add_sequence", next_id, tokens)[0] == "ok":
@@ -36,6 +36,13 @@ def _step(h: Lockstep, rng: random.Random, next_id: int) -> int:
         if h.call("append_tokens", seq_id, tail)[0] == "ok":
             h.tokens[seq_id] += tail
             h.assert_exclusive(seq_id, start, start + len(tail))
+    elif op == "batch":
+        batch = rng.sample(ids, min(len(ids), 4))
+        tails = [[rng.randrange(3) for _ in range(rng.choice([0, 1, 2, h.block_size]))] for _ in batch]
+        flat = [t for tail in tails for t in tail]
+        if h.call("append_tokens_batch", batch, flat, [len(t) for t in tails])[0] == "ok":
+            for seq_id, tail in zip(batch, tails, strict=True):
+                h.tokens[seq_id] += tail
     elif op == "fork":
         h.call("fork", seq_id, next_id)
         h.tokens[next_id] = list(h.tokens[seq_id])

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -69,15 +70,21 @@ class BlockManager {
   // Registers a sequence and allocates blocks for all its tokens, reusing the longest run of
   // computed prefix-cached full blocks. Returns the number of tokens those reused blocks hold.
   int64_t add_sequence(int64_t seq_id, const int32_t* tokens, int64_t num_tokens);
-  // Appends tokens; copy-on-write of a shared, partly filled last block is reported.
-  std::vector<BlockCopy> append_tokens(int64_t seq_id, const int32_t* tokens, int64_t num_tokens);
+  // Appends tokens. Only the partly filled last block can be shared and written, so there is at
+  // most one copy-on-write, returned for the model runner to perform first.
+  std::optional<BlockCopy> append_tokens(int64_t seq_id, const int32_t* tokens, int64_t num_tokens);
+  // append_tokens for a whole step in one call: token_ids holds each sequence's tokens in turn
+  // (num_tokens[i] of them). All or nothing; the ids must be distinct. Returns every copy.
+  std::vector<BlockCopy> append_tokens_batch(const int64_t* seq_ids, const int32_t* num_tokens,
+                                             int64_t batch, const int32_t* token_ids,
+                                             int64_t num_token_ids);
   // Exact number of blocks append_tokens would take (new blocks plus a copy-on-write block).
   int64_t blocks_needed_to_append(int64_t seq_id, int64_t num_tokens) const;
   // The child shares every block of the parent (copy-on-write on the next divergent append).
   void fork(int64_t parent_id, int64_t child_id);
   // Keeps the first num_tokens tokens, releasing whole blocks past them. Copy-on-write of a now
-  // partly filled shared block is deferred to the next append, so the result is always empty.
-  std::vector<BlockCopy> truncate(int64_t seq_id, int64_t num_tokens);
+  // partly filled shared block is deferred to the next append, so nothing is copied here.
+  void truncate(int64_t seq_id, int64_t num_tokens);
   void free(int64_t seq_id);
   // K/V of the first num_computed[i] tokens of seq_ids[i] is on the device: their full blocks
   // become reusable by later add_sequence calls. Validates everything before changing anything.
@@ -109,6 +116,10 @@ class BlockManager {
     return (num_tokens + block_size_ - 1) / block_size_;
   }
   int64_t append_need(const Sequence& seq, int64_t num_tokens) const;
+  std::vector<Sequence*> distinct_sequences(const int64_t* seq_ids, int64_t batch);
+  void reserve_append(Sequence* seq, int64_t num_tokens);
+  std::optional<BlockCopy> append_unchecked(Sequence* seq, const int32_t* tokens,
+                                            int64_t num_tokens) noexcept;
   void require_blocks(int64_t needed, const char* what) const;
   int32_t allocate_block();
   void release_block(int32_t block);
