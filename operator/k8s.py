@@ -37,7 +37,10 @@ async def load_configuration() -> Configuration:
 class KubeClient:
     """JSON requests to the API server; raises ApiError, returns None for 404 on reads."""
 
-    def __init__(self, configuration: Configuration, *, timeout_seconds: float = 30.0) -> None:
+    def __init__(
+        self, configuration: Configuration, *, timeout_seconds: float = 30.0, keepalive: bool = True
+    ) -> None:
+        self._keepalive = keepalive
         self._configuration = configuration
         self._base = configuration.host.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
@@ -91,7 +94,7 @@ class KubeClient:
     ) -> Any:
         """One API call; returns the decoded JSON or raises ApiError (status 0: no response)."""
         if self._session is None:
-            connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=64)
+            connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=64, force_close=not self._keepalive)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         data = None if body is None else json.dumps(body)
         ctype = content_type or ("application/json" if body is not None else None)

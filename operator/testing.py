@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import uuid
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
 
+import aiohttp.test_utils
 import aiohttp.web
 import attrs
 import kmock
@@ -233,6 +235,13 @@ def _status_response(code: int, reason: str, message: str) -> aiohttp.web.Stream
     return aiohttp.web.json_response(body, status=code)
 
 
+def mock_server(handler: Emulator) -> kmock.Server:
+    """kmock's HTTP server, cancelling a request's handler when its client goes away (otherwise
+    kmock's endless watch handlers outlive the operator, and Kopf waits 5 s for them on exit)."""
+    factory = functools.partial(aiohttp.test_utils.RawTestServer, handler_cancellation=True)
+    return kmock.Server(handler, server_cls=factory)
+
+
 def declare_resources(server: Emulator, *, with_service_monitor: bool) -> None:
     """Discovery for the built-in kinds, the InferenceEngine CRD and, optionally, ServiceMonitors."""
     server.resources.load_bundled()
@@ -309,6 +318,8 @@ async def running_operator(
     settings.watching.reconnect_backoff = 0.05
     settings.watching.server_timeout = 30
     settings.queueing.idle_timeout = 30.0
+    settings.queueing.exit_timeout = 0.5  # on stop, do not linger for idle per-object workers
+    settings.background.instant_exit_timeout = 0.5
     settings.posting.enabled = False
     memo = kopf.Memo(kube_configuration=configuration)
     ready, stop = asyncio.Event(), asyncio.Event()

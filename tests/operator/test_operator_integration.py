@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import kmock
 import pytest
 from aiohttp import web
 from kubernetes_asyncio.client import Configuration
@@ -26,7 +25,13 @@ from pagedinfer.operator.crd import build_crd
 from pagedinfer.operator.events import EVENT
 from pagedinfer.operator.k8s import KubeClient, load_configuration
 from pagedinfer.operator.reconcile import reconcile
-from pagedinfer.operator.testing import Emulator, add_service_monitor_crd, declare_resources, running_operator
+from pagedinfer.operator.testing import (
+    Emulator,
+    add_service_monitor_crd,
+    declare_resources,
+    mock_server,
+    running_operator,
+)
 from pagedinfer.operator.testing import test_config as make_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,10 +106,12 @@ def _backends() -> list[Any]:
 @pytest.fixture(params=_backends())
 async def api(request: pytest.FixtureRequest) -> AsyncIterator[Api]:
     if request.param == "kmock":
-        async with Emulator() as server, kmock.Server(server):
+        async with Emulator() as server, mock_server(server):
             declare_resources(server, with_service_monitor=False)
             configuration = Configuration(host=str(server.url).rstrip("/"))
-            async with KubeClient(configuration) as client:
+            # No keep-alive: a connection left open is a server task Kopf would wait 5 s for on exit.
+            async with KubeClient(configuration, keepalive=False) as client:
+                await client.request("GET", "/version")  # kmock starts its internal tasks now
                 yield Api(client, configuration, "default", server)
         return
     configuration = await load_configuration()
