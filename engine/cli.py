@@ -17,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedinfer.engine.generate_cli import add_generate_parser
 
     add_generate_parser(sub)
+    from pagedinfer.operator.cli import add_operator_parsers
+
+    add_operator_parsers(sub)
     return parser
 
 

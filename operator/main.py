@@ -14,6 +14,12 @@ from pagedinfer.operator.config import OperatorConfig
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedinfer operator", description="Run the InferenceEngine operator.")
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The operator's flags (shared by this parser and the `pagedinfer operator` subcommand)."""
     scope = p.add_mutually_exclusive_group()
     scope.add_argument(
         "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
@@ -31,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-seconds", type=float, default=None, help="pod metrics scrape interval")
     p.add_argument("--log-format", choices=["plain", "full", "json"], default="json")
     p.add_argument("-v", "--verbose", action="store_true")
-    return p
 
 
 def config_from_args(args: argparse.Namespace, base: OperatorConfig) -> OperatorConfig:
@@ -49,17 +54,27 @@ def config_from_args(args: argparse.Namespace, base: OperatorConfig) -> Operator
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the operator until interrupted."""
     import kopf
 
     from pagedinfer.operator.handlers import register
 
-    args = build_parser().parse_args(argv)
     config = config_from_args(args, OperatorConfig.from_env())
     log_format = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
     kopf.configure(verbose=args.verbose, log_format=log_format[args.log_format])
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     registry = kopf.OperatorRegistry()
     register(registry, config)
+
+    @kopf.on.login(registry=registry)
+    async def login(**kwargs: object) -> kopf.ConnectionInfo | None:
+        # In-cluster service account or the kubeconfig (exec plugins included), as k8s.py loads it.
+        return await kopf.login_via_async_client(**kwargs)
+
     standalone = args.standalone or args.peering is None
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     try:
