@@ -34,8 +34,9 @@ IMPLS = {"native": _native.BlockManager, "python_ref": ref.BlockManager}
 
 
 # ---- op mix ----------------------------------------------------------------------------------
-def record_op_mix(num_steps: int, seed: int = 0) -> list[tuple[str, tuple]]:
-    """A deterministic scheduler-like call sequence (never runs out of blocks)."""
+def record_op_mix(num_steps: int, batched: bool, seed: int = 0) -> list[tuple[str, tuple]]:
+    """A deterministic scheduler-like call sequence (never runs out of blocks). With `batched`,
+    each step's decode appends are one append_tokens_batch call instead of one call each."""
     rng = random.Random(seed)
     system_prompts = [[rng.randrange(32000) for _ in range(256)] for _ in range(4)]
     ops: list[tuple[str, tuple]] = []
@@ -53,8 +54,17 @@ def record_op_mix(num_steps: int, seed: int = 0) -> list[tuple[str, tuple]]:
         admit()
     for _ in range(num_steps):
         running = sorted(lengths)
+        sampled = [rng.randrange(32000) for _ in running]
+        if batched:
+            counts = np.ones(len(running), np.int32)
+            ops.append(
+                ("append_tokens_batch", (np.array(running, np.int64), np.array(sampled, np.int32), counts))
+            )
+        else:
+            ops.extend(
+                ("append_tokens", (seq_id, [token])) for seq_id, token in zip(running, sampled, strict=True)
+            )
         for seq_id in running:
-            ops.append(("append_tokens", (seq_id, [rng.randrange(32000)])))
             lengths[seq_id] += 1
         ops.append(
             (
@@ -90,8 +100,8 @@ def replay(factory: Callable, ops: list[tuple[str, tuple]], num_blocks: int) -> 
     return time.perf_counter() - wall, time.thread_time() - cpu, bm
 
 
-def bench_op_mix(num_steps: int, repeats: int) -> dict:
-    ops = record_op_mix(num_steps)
+def bench_op_mix(num_steps: int, repeats: int, batched: bool) -> dict:
+    ops = record_op_mix(num_steps, batched)
     num_blocks = 8192
     out: dict = {"num_calls": len(ops), "calls_by_kind": _count_kinds(ops)}
     finals = {}
@@ -207,15 +217,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    mix = result["op_mix"]
-    ax1.bar(
-        ["native", "python_ref", "binding floor"],
-        [mix["native"]["us_per_call"], mix["python_ref"]["us_per_call"], mix["floor_us_per_call"]],
-        color=["C0", "C1", "C7"],
-    )
+    mixes = result["op_mix"]
+    names = [f"{variant}\n{impl}" for variant in mixes for impl in ("native", "python_ref")]
+    values = [mixes[v][impl]["cpu_seconds"] * 1e3 for v in mixes for impl in ("native", "python_ref")]
+    ax1.bar(names, values, color=["C0", "C1"] * len(mixes))
     ax1.set_yscale("log")
-    ax1.set_ylabel("microseconds per call (log)")
-    ax1.set_title(f"op mix, {mix['num_calls']} calls: native {mix['speedup']:.0f}x faster")
+    ax1.set_ylabel("CPU ms for the whole workload (log)")
+    ratios = ", ".join(f"{v} {m['speedup']:.0f}x" for v, m in mixes.items())
+    ax1.set_title(
+        f"op mix ({mixes['per_call']['final_stats']['num_sequences']} live seqs at end): {ratios}", fontsize=9
+    )
     rows = result["build_batch"]
     labels = [f"{r['case']}\n{r['step']}" for r in rows]
     x = np.arange(len(rows))
@@ -240,29 +251,36 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     args = parser.parse_args()
     steps, repeats, min_s = (50, 3, 0.05) if args.quick else (400, 7, 0.5)
-    mix = bench_op_mix(steps, repeats)
-    mix["speedup"] = mix["python_ref"]["cpu_seconds"] / mix["native"]["cpu_seconds"]
+    mixes = {
+        variant: bench_op_mix(steps, repeats, variant == "batched") for variant in ("per_call", "batched")
+    }
+    for mix in mixes.values():
+        mix["speedup"] = mix["python_ref"]["cpu_seconds"] / mix["native"]["cpu_seconds"]
     batches = bench_build_batch(batch_cases(args.quick), min_s)
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
     }
-    result = {"machine": machine, "block_size": BLOCK_SIZE, "op_mix": mix, "build_batch": batches}
+    result = {"machine": machine, "block_size": BLOCK_SIZE, "op_mix": mixes, "build_batch": batches}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "native_core.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "native_core.png")
-    print(f"op mix: {mix['num_calls']} calls {mix['calls_by_kind']}")
-    print(
-        f"  native {mix['native']['us_per_call']:.2f} us/call, python_ref {mix['python_ref']['us_per_call']:.2f} us/call, binding floor {mix['floor_us_per_call']:.3f} us/call"
-    )
+    for variant, mix in mixes.items():
+        print(f"op mix ({variant}): {mix['num_calls']} calls {mix['calls_by_kind']}")
+        print(
+            f"  CPU time: native {mix['native']['cpu_seconds'] * 1e3:.2f} ms ({mix['native']['us_per_call']:.2f} us/call), "
+            f"python_ref {mix['python_ref']['cpu_seconds'] * 1e3:.2f} ms ({mix['python_ref']['us_per_call']:.2f} us/call); "
+            f"binding floor {mix['floor_us_per_call']:.3f} us/call"
+        )
     print(f"{'build_batch case':<22}{'step':<19}{'native us':>11}{'python us':>12}{'copy floor us':>15}")
     for r in batches:
         print(
             f"{r['case']:<22}{r['step']:<19}{r['native_us']:>11.1f}{r['python_ref_us']:>12.1f}{r['floor_copy_us']:>15.1f}"
         )
     print("ratios (python_ref / native):")
-    print(f"  op mix: {mix['speedup']:.1f}x (target >= 20x)")
+    for variant, mix in mixes.items():
+        print(f"  op mix ({variant}): {mix['speedup']:.1f}x (target >= 20x)")
     for r in batches:
         print(f"  build_batch {r['case']} {r['step']}: {r['speedup']:.1f}x ({r['native_us']:.0f} us native)")
 

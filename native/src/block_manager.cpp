@@ -107,11 +107,8 @@ int64_t BlockManager::add_sequence(int64_t seq_id, const int32_t* tokens, int64_
   Sequence& stored = seqs_.emplace(seq_id, std::move(seq)).first->second;
   // Nothing below throws. Reused blocks leave the LRU list before any allocation can evict them.
   for (int32_t block : stored.blocks) pool_.incref(block);
-  for (int64_t pos = num_reused * block_size_; pos < num_tokens; ++pos) {
-    if (pos % block_size_ == 0) stored.blocks.push_back(allocate_block());
-    block_tokens_[static_cast<size_t>(stored.blocks.back()) * block_size_ + pos % block_size_] =
-        tokens[pos];
-  }
+  int64_t start = num_reused * block_size_;
+  write_tokens(&stored, start, tokens + start, num_tokens - start);
   if (enable_prefix_caching_) {
     prefix_cache_queries_ += num_tokens;
     prefix_cache_hits_ += num_reused * block_size_;
@@ -222,14 +219,25 @@ std::optional<BlockCopy> BlockManager::append_unchecked(Sequence* seq, const int
       cache_.erase(last);  // its content is about to change: never serve it again
     }
   }
-  for (int64_t i = 0; i < num_tokens; ++i) {
-    int64_t pos = len + i;
-    if (pos % block_size_ == 0) seq->blocks.push_back(allocate_block());
-    block_tokens_[static_cast<size_t>(seq->blocks.back()) * block_size_ + pos % block_size_] =
-        tokens[i];
-  }
+  write_tokens(seq, len, tokens, num_tokens);
   seq->tokens.insert(seq->tokens.end(), tokens, tokens + num_tokens);
   return copied;
+}
+
+// Stores tokens at positions start.. of the sequence's blocks, allocating a block at each block
+// boundary. The blocks must be available and the block list's room reserved.
+void BlockManager::write_tokens(Sequence* seq, int64_t start, const int32_t* tokens,
+                                int64_t num_tokens) noexcept {
+  int64_t pos = start;
+  const int64_t end = start + num_tokens;
+  while (pos < end) {
+    int64_t offset = pos % block_size_;
+    if (offset == 0) seq->blocks.push_back(allocate_block());
+    int64_t run = std::min<int64_t>(block_size_ - offset, end - pos);
+    std::memcpy(&block_tokens_[static_cast<size_t>(seq->blocks.back()) * block_size_ + offset],
+                tokens + (pos - start), sizeof(int32_t) * run);
+    pos += run;
+  }
 }
 
 void BlockManager::fork(int64_t parent_id, int64_t child_id) {

@@ -18,15 +18,20 @@ inline uint64_t mix64(uint64_t x) {
 }  // namespace
 
 uint64_t chain_hash(uint64_t parent_hash, const int32_t* tokens, int32_t num_tokens) {
-  uint64_t h = mix64(parent_hash ^ (0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(num_tokens)));
+  // Each step (rotate, xor a pair of tokens, multiply by an odd constant) is a bijection of the
+  // state, so blocks that differ in one token pair never collide at that step; one full mix at
+  // the end spreads the result over the index bits. Lookups verify content, so this only has
+  // to be fast and well spread, not cryptographic.
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ULL;
+  uint64_t h = mix64(parent_hash) ^ static_cast<uint64_t>(num_tokens);
   int32_t i = 0;
   for (; i + 1 < num_tokens; i += 2) {
     uint64_t pair = static_cast<uint32_t>(tokens[i]) |
                     (static_cast<uint64_t>(static_cast<uint32_t>(tokens[i + 1])) << 32);
-    h = mix64(h ^ mix64(pair + 0x9E3779B97F4A7C15ULL));
+    h = (((h << 23) | (h >> 41)) ^ pair) * kMul;
   }
-  if (i < num_tokens) h = mix64(h ^ mix64(static_cast<uint32_t>(tokens[i]) + 1ULL));
-  return h;
+  if (i < num_tokens) h = (((h << 23) | (h >> 41)) ^ static_cast<uint32_t>(tokens[i])) * kMul;
+  return mix64(h);
 }
 
 PrefixCache::PrefixCache(int32_t num_blocks)

@@ -63,6 +63,28 @@ TEST(BlockManager, CopyOnWriteOnSharedPartialBlock) {
   bm.check_invariants();
 }
 
+TEST(BlockManager, AppendBatchIsExactAndAtomic) {
+  BlockManager bm(5, 4, true);
+  add(bm, 1, iota(6));
+  bm.fork(1, 2);
+  bm.fork(1, 3);
+  std::vector<int64_t> ids = {1, 2, 3};
+  std::vector<int32_t> counts = {1, 1, 1}, tokens = {7, 8, 9};
+  // Three writers into a block held three times: two copies, the last writes in place.
+  auto copies = bm.append_tokens_batch(ids.data(), counts.data(), 3, tokens.data(), 3);
+  EXPECT_EQ(copies, (std::vector<BlockCopy>{{1, 2}, {1, 3}}));
+  EXPECT_EQ(bm.sequence(3).blocks, (std::vector<int32_t>{0, 1}));
+  std::vector<int32_t> big = {3, 3}, six(6, 0);
+  EXPECT_THROW(bm.append_tokens_batch(ids.data(), big.data(), 2, six.data(), 6), OutOfBlocksError);
+  EXPECT_EQ(bm.sequence(1).tokens.size(), 7u);
+  std::vector<int64_t> twice = {1, 1};
+  EXPECT_THROW(bm.append_tokens_batch(twice.data(), counts.data(), 2, tokens.data(), 2),
+               std::invalid_argument);
+  EXPECT_THROW(bm.append_tokens_batch(ids.data(), counts.data(), 3, tokens.data(), 2),
+               std::invalid_argument);
+  bm.check_invariants();
+}
+
 TEST(BlockManager, PrefixCacheNeedsComputedBlocks) {
   BlockManager bm(16, 4, true);
   add(bm, 1, iota(10));

@@ -118,6 +118,8 @@ class BlockManager {
   int64_t append_need(const Sequence& seq, int64_t num_tokens) const;
   std::vector<Sequence*> distinct_sequences(const int64_t* seq_ids, int64_t batch);
   void reserve_append(Sequence* seq, int64_t num_tokens);
+  void write_tokens(Sequence* seq, int64_t start, const int32_t* tokens,
+                    int64_t num_tokens) noexcept;
   std::optional<BlockCopy> append_unchecked(Sequence* seq, const int32_t* tokens,
                                             int64_t num_tokens) noexcept;
   void require_blocks(int64_t needed, const char* what) const;
