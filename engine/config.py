@@ -20,6 +20,8 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # rope_type "freq_factors": inv_freq[i] /= freq_factors[i] (llama.cpp's rope_freqs tensor).
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

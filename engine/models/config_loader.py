@@ -7,7 +7,7 @@ touch no device memory.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedinfer.engine.config import ModelConfig, RopeScaling
@@ -150,8 +150,16 @@ def validate_model_config(config: ModelConfig, source: str) -> None:
         raise ModelLoadError(source, f"head_dim {config.head_dim} must be even for rotary embeddings")
 
 
-def _gguf_rope(meta: Mapping[str, Any], prefix: str, source: str) -> RopeScaling | None:
+def _gguf_rope(
+    meta: Mapping[str, Any], prefix: str, source: str, freq_factors: Sequence[float] | None
+) -> RopeScaling | None:
     kind = meta.get(f"{prefix}.rope.scaling.type", "none")
+    if freq_factors is not None:  # Llama 3.1+: llama3 scaling baked into per-frequency factors
+        if kind not in ("none", "llama3"):
+            raise UnsupportedModelError(source, f"rope_freqs.weight together with rope scaling {kind!r}")
+        return RopeScaling(
+            rope_type="freq_factors", factor=1.0, freq_factors=tuple(float(f) for f in freq_factors)
+        )
     if kind == "none":
         return None
     if kind == "linear":
@@ -160,17 +168,17 @@ def _gguf_rope(meta: Mapping[str, Any], prefix: str, source: str) -> RopeScaling
 
 
 def model_config_from_gguf(
-    meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], source: str
+    meta: Mapping[str, Any],
+    tensor_shapes: Mapping[str, tuple[int, ...]],
+    source: str,
+    rope_freq_factors: Sequence[float] | None = None,
 ) -> ModelConfig:
-    """ModelConfig from GGUF metadata (key -> value) and tensor shapes (name -> torch-order shape)."""
+    """ModelConfig from GGUF metadata (key -> value), tensor shapes (name -> torch-order shape) and
+    the values of the optional `rope_freqs.weight` tensor."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             source, f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
-    if "rope_freqs.weight" in tensor_shapes:
-        raise UnsupportedModelError(
-            source, "GGUF rope frequency factors (rope_freqs.weight) are not supported"
         )
     try:
         hidden = int(meta[f"{arch}.embedding_length"])
@@ -179,6 +187,10 @@ def model_config_from_gguf(
         rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         if rope_dim != head_dim:
             raise UnsupportedModelError(source, f"partial rotary (rope dims {rope_dim} of {head_dim})")
+        if rope_freq_factors is not None and len(rope_freq_factors) != head_dim // 2:
+            raise ModelLoadError(
+                source, f"rope_freqs.weight has {len(rope_freq_factors)} values, expected {head_dim // 2}"
+            )
         vocab = int(meta.get(f"{arch}.vocab_size", tensor_shapes["token_embd.weight"][0]))
         eos = _as_ids(meta.get("tokenizer.ggml.eos_token_id")) + _as_ids(
             meta.get("tokenizer.ggml.eot_token_id")
@@ -195,7 +207,7 @@ def model_config_from_gguf(
             max_position_embeddings=int(meta[f"{arch}.context_length"]),
             rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope(meta, arch, source),
+            rope_scaling=_gguf_rope(meta, arch, source, rope_freq_factors),
             tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             bos_token_id=None

@@ -43,6 +43,8 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Not a weight: llama.cpp's per-frequency rope factors (Llama 3.1+), read into the ModelConfig.
+ROPE_FREQS = "rope_freqs.weight"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -80,6 +82,13 @@ class GGUFCheckpoint:
         """The value of a metadata key, or None when absent."""
         return self.metadata.get(key)
 
+    def rope_freq_factors(self) -> list[float] | None:
+        """The values of `rope_freqs.weight`, or None when the file has none."""
+        tensor = self._tensors.get(ROPE_FREQS)
+        if tensor is None:
+            return None
+        return dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
+
     def gguf_shapes(self) -> dict[str, tuple[int, ...]]:
         """GGUF tensor name -> shape in torch order (GGUF lists dimensions fastest-first)."""
         return {name: t.shape for name, t in self._tensors.items()}
@@ -88,6 +97,8 @@ class GGUFCheckpoint:
         """Hugging Face name -> shape; raises for tensors with no counterpart or unsupported quant types."""
         shapes = {}
         for name, shape in self.gguf_shapes().items():
+            if name == ROPE_FREQS:
+                continue
             tensor_type = self._tensors[name].tensor_type
             if tensor_type not in SUPPORTED_QUANT_TYPES:
                 supported = sorted(q.name for q in SUPPORTED_QUANT_TYPES)
@@ -104,6 +115,8 @@ class GGUFCheckpoint:
         """(Hugging Face name, fp32 CPU tensor) for every tensor, dequantized and un-permuted."""
         permuted = self.metadata.get("general.architecture") == "llama"
         for name, tensor in self._tensors.items():
+            if name == ROPE_FREQS:
+                continue
             mapped = hf_name(name)
             assert mapped is not None, name  # hf_shapes() validated the names
             array = dequantize(tensor.data, tensor.tensor_type).reshape(tensor.shape)

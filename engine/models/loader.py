@@ -94,7 +94,9 @@ def _plan_safetensors(folder: Path) -> _LoadPlan:
 
 def _plan_gguf(path: Path) -> _LoadPlan:
     checkpoint = GGUFCheckpoint(path)
-    config = model_config_from_gguf(checkpoint.metadata, checkpoint.gguf_shapes(), str(path))
+    config = model_config_from_gguf(
+        checkpoint.metadata, checkpoint.gguf_shapes(), str(path), checkpoint.rope_freq_factors()
+    )
     check_weight_shapes(checkpoint.hf_shapes(), config, str(path))
     tokenizer = None
     if "tokenizer.ggml.model" in checkpoint.metadata:
@@ -104,9 +106,7 @@ def _plan_gguf(path: Path) -> _LoadPlan:
             raise ModelLoadError(str(path), str(exc)) from exc
     else:
         logger.warning("%s: no tokenizer metadata; the model loads without a tokenizer", path)
-    return _LoadPlan(
-        config, tokenizer, len(checkpoint.gguf_shapes()), lambda: checkpoint.iter_weights(config)
-    )
+    return _LoadPlan(config, tokenizer, len(checkpoint.hf_shapes()), lambda: checkpoint.iter_weights(config))
 
 
 def load_model(

@@ -1,8 +1,8 @@
 """Rotary position embedding (Su et al., 2021), half-split ("NeoX") layout, with rope scaling.
 
 Hugging Face q/k weights use this layout; GGUF llama weights are un-permuted into it at load.
-Scaling: none, "linear" (positions / factor) and "llama3" (Llama-3.1's frequency-dependent
-interpolation). Cos/sin are computed from the positions of each step, so there is no
+Scaling: none, "linear" (positions / factor), "llama3" (Llama-3.1's frequency-dependent
+interpolation) and "freq_factors" (the same, precomputed per frequency, as llama.cpp stores it). Cos/sin are computed from the positions of each step, so there is no
 max-position table to size and no state besides the inverse frequencies.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from pagedinfer.engine.config import RopeScaling
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -47,6 +47,11 @@ def compute_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) ->
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return llama3_inv_freq(inv_freq, scaling)
+    if scaling.rope_type == "freq_factors" and scaling.freq_factors is not None:
+        factors = torch.tensor(scaling.freq_factors, dtype=torch.float32)  # [D/2]
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{factors.numel()} rope frequency factors for head_dim {head_dim}")
+        return inv_freq / factors
     raise ValueError(
         f"unsupported rope scaling type {scaling.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
     )

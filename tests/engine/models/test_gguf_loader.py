@@ -12,10 +12,12 @@ import pytest
 import torch
 from gguf_tiny import Q, quantize_hf_model_, write_gguf
 from hf_tiny import build_hf_model, hf_logits
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedinfer._native import BlockManager
 from pagedinfer.engine.models.errors import ModelLoadError, UnsupportedModelError
 from pagedinfer.engine.models.gguf_file import GGUFFile
+from pagedinfer.engine.models.layers.rotary import compute_inv_freq
 from pagedinfer.engine.models.loader import load_model
 from pagedinfer.engine.models.testing import PagedRunner
 
@@ -75,14 +77,28 @@ def test_unsupported_quant_type_is_named(tmp_path):
         load_model(str(path), "cpu", torch.float32)
 
 
-def test_unknown_tensor_and_rope_freqs_are_rejected(tmp_path):
+def test_unknown_tensor_is_rejected(tmp_path):
     hf = build_hf_model("llama-gqa")
     odd = write_gguf(tmp_path / "odd.gguf", hf, extra={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
     with pytest.raises(UnsupportedModelError, match="unexpected tensor 'blk.0.attn_sinks.weight'"):
         load_model(str(odd), "cpu", torch.float32)
-    rope = write_gguf(tmp_path / "rope.gguf", hf, extra={"rope_freqs.weight": np.ones(8, np.float32)})
-    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
-        load_model(str(rope), "cpu", torch.float32)
+
+
+def test_llama31_rope_freqs_tensor_matches_hf_llama3_scaling(tmp_path):
+    """llama.cpp stores Llama-3.1 rope scaling as per-frequency factors in rope_freqs.weight."""
+    hf = build_hf_model("llama3-rope")
+    cfg = hf.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    plain = compute_inv_freq(head_dim, cfg.rope_parameters["rope_theta"], None)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    factors = (plain / scaled).numpy().astype(np.float32)
+    assert (factors > 1.0).any()  # the scaling is not a no-op at this size
+    path = write_gguf(tmp_path / "l31.gguf", hf, extra={"rope_freqs.weight": factors})
+    diff = (_our_logits(path) - hf_logits(hf, TOKENS)).abs().max().item()
+    assert diff <= FP32_ATOL, diff
+    bad = write_gguf(tmp_path / "bad.gguf", hf, extra={"rope_freqs.weight": np.ones(3, np.float32)})
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight has 3 values, expected 8"):
+        load_model(str(bad), "cpu", torch.float32)
 
 
 def test_unsupported_architecture(tmp_path):
