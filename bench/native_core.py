@@ -7,7 +7,9 @@
    256 and 1024 sequences with 512-4096 tokens, plus 1024 x 4096; block size 16. Floor: copying
    the block-table bytes with NumPy.
 
-    python bench/native_core.py [--out bench/results] [--quick]
+    python -P bench/native_core.py [--out bench/results] [--quick]
+
+(-P keeps bench/ off sys.path, so a bench script named like a standard module cannot shadow it.)
 
 Writes OUT/native_core.json and OUT/native_core.png; prints the ratios last.
 """
@@ -15,6 +17,7 @@ Writes OUT/native_core.json and OUT/native_core.png; prints the ratios last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -94,10 +97,16 @@ def replay(factory: Callable, ops: list[tuple[str, tuple]], num_blocks: int) -> 
     """(wall seconds, CPU seconds of this thread, final manager) for one replay."""
     bm = factory(num_blocks, BLOCK_SIZE, True)
     calls = [(getattr(bm, name), args) for name, args in ops]
-    wall, cpu = time.perf_counter(), time.thread_time()
-    for fn, args in calls:
-        fn(*args)
-    return time.perf_counter() - wall, time.thread_time() - cpu, bm
+    # As timeit does: the recorded op list keeps ~10^4 containers alive, and cyclic GC passes
+    # over them would be charged to whichever implementation happened to allocate at the time.
+    gc.disable()
+    try:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for fn, args in calls:
+            fn(*args)
+        return time.perf_counter() - wall, time.thread_time() - cpu, bm
+    finally:
+        gc.enable()
 
 
 def bench_op_mix(num_steps: int, repeats: int, batched: bool) -> dict:
@@ -154,17 +163,25 @@ def setup_batch(factory: Callable, lengths: list[int], seed: int) -> object:
 
 
 def time_call(fn: Callable[[], object], min_seconds: float) -> tuple[float, float]:
-    """(best CPU, median wall) seconds per call over runs lasting at least min_seconds in all.
-    The machine is shared: the best CPU-time run is the signal, the median wall shows the noise."""
+    """(best CPU, median wall) seconds per call. Each sample times enough back-to-back calls to
+    last >= 2 ms (reading the thread CPU clock costs microseconds here). The machine is shared:
+    the best CPU-time sample is the signal, the median wall time shows the noise."""
+    start = time.perf_counter()
     fn()
+    number = max(1, int(2e-3 / max(time.perf_counter() - start, 1e-7)))
     cpu: list[float] = []
     wall: list[float] = []
     deadline = time.perf_counter() + min_seconds
-    while time.perf_counter() < deadline or len(cpu) < 5:
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        fn()
-        cpu.append(time.thread_time() - start_cpu)
-        wall.append(time.perf_counter() - start)
+    gc.disable()
+    try:
+        while time.perf_counter() < deadline or len(cpu) < 5:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            for _ in range(number):
+                fn()
+            cpu.append((time.thread_time() - start_cpu) / number)
+            wall.append((time.perf_counter() - start) / number)
+    finally:
+        gc.enable()
     return min(cpu), statistics.median(wall)
 
 
