@@ -1,0 +1,51 @@
+"""The embedded SmolLM2-135M with the n-gram proposer: greedy output identical to plain decoding.
+
+One engine serves both runs: `use_speculation=False` per request gives the plain baseline, so
+the model loads once. The task (rewrite a given text with one change) is the repetitive kind
+where prompt lookup pays: drafts must actually be accepted for the test to pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedinfer.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagedinfer.engine.llm import LLM
+from pagedinfer.engine.sampling_params import SamplingParams
+
+TEXT = (
+    "The committee met on Monday to review the budget. The committee approved the budget for "
+    "the library and the budget for the park, and asked for a new report on Friday."
+)
+TASKS = [f"Rewrite the following text, replacing 'Monday' with 'Tuesday'. Text: {TEXT}"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=512),
+        device=DeviceConfig(device="cpu", dtype="float32"),
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
+    )
+    return LLM(config)
+
+
+def test_smollm2_ngram_greedy_is_identical_and_accepts_drafts(llm):
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TASKS]
+    plain = SamplingParams(max_tokens=32, temperature=0.0, use_speculation=False)
+    fast = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=plain)]
+    assert llm.core.spec_decoder.stats.num_draft_tokens == 0
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=fast)]
+    assert got == expected
+    stats = llm.core.spec_decoder.stats
+    assert stats.acceptance_rate > 0.3 and stats.mean_accepted_length > 1.5, stats
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
