@@ -54,6 +54,6 @@ EXPOSE 8000 50051
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 ENTRYPOINT ["pagedinfer"]
-CMD ["serve", "--model", "builtin://smollm2-135m", "--served-model-name", "smollm2-135m-instruct", \
+CMD ["serve", "--model", "builtin://smollm2-135m", "--served-model-name", "smollm2-135m", \
      "--host", "0.0.0.0", "--http-port", "8000", "--grpc-port", "50051", \
      "--device", "cuda", "--dtype", "bfloat16", "--drain-timeout", "30"]

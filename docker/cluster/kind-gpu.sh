@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A kind cluster whose node sees the host's NVIDIA GPUs, then the operator and a GPU engine.
+# A kind cluster whose node sees the host's NVIDIA GPUs, then the operator and a GPU engine
+# (the engine chart with the embedded SmolLM2 on one GPU, or SAMPLE=file.yaml).
 #   docker/cluster/kind-gpu.sh
 # Host prerequisites: an NVIDIA driver and nvidia-container-toolkit configured for kind:
 #   sudo nvidia-ctk runtime configure --runtime=docker --set-as-default
@@ -11,7 +12,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 CLUSTER=${CLUSTER:-pagedinfer-gpu}
-SAMPLE=${SAMPLE:-$REPO_ROOT/manifests/samples/smollm2-gpu.yaml}
+SAMPLE=${SAMPLE:-}  # an InferenceEngine file; unset: the SmolLM2 engine chart on one GPU
 GPU_OPERATOR_VERSION=${GPU_OPERATOR_VERSION:-v25.3.2}
 
 need docker kind kubectl helm nvidia-smi "$PYTHON"
@@ -47,8 +48,14 @@ fi
 
 install_monitoring
 install_operator "$@"  # extra arguments go to helm (e.g. --set operator.allNamespaces=false)
-engine=$(apply_sample "$SAMPLE")
-[[ -n $engine ]] || die "$SAMPLE holds no InferenceEngine"
+if [[ -n $SAMPLE ]]; then
+  engine=$(apply_sample "$SAMPLE")
+  [[ -n $engine ]] || die "$SAMPLE holds no InferenceEngine"
+else
+  # The embedded SmolLM2 on one GPU: no model download, runs on any NVIDIA GPU.
+  engine=$(install_engine_chart smollm2-gpu --set resources.gpus=1 --set resources.memory=8Gi \
+    --set engine.dtype=bfloat16)
+fi
 wait_ready "$engine"
 smoke "$engine"
 log "done: $engine is serving on a GPU (kubectl get ie -n $NAMESPACE)"

@@ -109,6 +109,16 @@ apply_sample() {
   kubectl apply --namespace "$NAMESPACE" -f "$file" -o name | grep -i '^inferenceengine' | head -n 1
 }
 
+# install_engine_chart NAME [helm args...]: one InferenceEngine through charts/pagedinfer-engine
+# (its defaults are the CPU sample); prints its resource name (kind/name).
+install_engine_chart() {
+  local name=$1
+  shift
+  log "installing charts/pagedinfer-engine as $name"
+  helm upgrade --install "$name" "$REPO_ROOT/charts/pagedinfer-engine" --namespace "$NAMESPACE" "$@" >&2
+  printf 'inferenceengine.serving.pagedinfer.io/%s\n' "$name"
+}
+
 # wait_ready RESOURCE: until status.phase is Ready (the operator sets it once every replica is).
 wait_ready() {
   local resource=$1

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # A minikube cluster with every host GPU (`--gpus all`, docker driver), then the operator and
-# a GPU engine. minikube enables its nvidia-device-plugin addon itself with --gpus.
+# a GPU engine (the engine chart with the embedded SmolLM2 on one GPU, or SAMPLE=file.yaml).
+# minikube enables its nvidia-device-plugin addon itself with --gpus.
 #   docker/cluster/minikube-gpu.sh
 # Host prerequisites: an NVIDIA driver and nvidia-container-toolkit configured for docker.
 # shellcheck source=docker/cluster/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 PROFILE=${PROFILE:-pagedinfer}
-SAMPLE=${SAMPLE:-$REPO_ROOT/manifests/samples/smollm2-gpu.yaml}
+SAMPLE=${SAMPLE:-}  # an InferenceEngine file; unset: the SmolLM2 engine chart on one GPU
 MINIKUBE_CPUS=${MINIKUBE_CPUS:-8}
 MINIKUBE_MEMORY=${MINIKUBE_MEMORY:-32g}
 
@@ -32,8 +33,14 @@ fi
 
 install_monitoring
 install_operator "$@"  # extra arguments go to helm (e.g. --set operator.allNamespaces=false)
-engine=$(apply_sample "$SAMPLE")
-[[ -n $engine ]] || die "$SAMPLE holds no InferenceEngine"
+if [[ -n $SAMPLE ]]; then
+  engine=$(apply_sample "$SAMPLE")
+  [[ -n $engine ]] || die "$SAMPLE holds no InferenceEngine"
+else
+  # The embedded SmolLM2 on one GPU: no model download, runs on any NVIDIA GPU.
+  engine=$(install_engine_chart smollm2-gpu --set resources.gpus=1 --set resources.memory=8Gi \
+    --set engine.dtype=bfloat16)
+fi
 wait_ready "$engine"
 smoke "$engine"
 log "done: $engine is serving on a GPU (kubectl get ie -n $NAMESPACE)"

@@ -181,32 +181,42 @@ class BuiltinSchemas:
 class Validator:
     """Validates one rendered object offline, by kind:
     built-in kinds against the Kubernetes OpenAPI schemas (kubernetes-validate, strict);
-    InferenceEngine against its CRD's openAPIV3Schema and the operator's own pydantic spec;
+    custom resources of the project's CRDs against their openAPIV3Schema (InferenceEngine also
+    through the operator's own pydantic spec);
     monitoring.coreos.com kinds against pydantic models generated from the Prometheus
     Operator CRDs (cloudcoil), strictly: a field the model drops is an unknown field."""
 
     def __init__(self) -> None:
-        crd = yaml.safe_load(CRD_FILE.read_text())
-        version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
-        self.ie_schema = crd_to_jsonschema(version["schema"]["openAPIV3Schema"])
-        self.ie_api_version = f"{crd['spec']['group']}/{version['name']}"
+        # Every CRD the project ships (InferenceEngine, Kopf's peering kinds), by (apiVersion, kind).
+        self.crd_schemas: dict[tuple[str, str], dict[str, Any]] = {}
+        for path in sorted(CRD_FILE.parent.glob("*.yaml")):
+            for crd in yaml.safe_load_all(path.read_text()):
+                for version in crd["spec"]["versions"]:
+                    key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+                    schema = crd_to_jsonschema(version["schema"]["openAPIV3Schema"])
+                    # The API server always accepts these at a custom resource's root.
+                    for field, kind in (("apiVersion", "string"), ("kind", "string"), ("metadata", "object")):
+                        schema.setdefault("properties", {}).setdefault(field, {"type": kind})
+                    self.crd_schemas[key] = schema
         self.builtin = BuiltinSchemas()
 
     def __call__(self, obj: dict[str, Any]) -> None:
         api_version, kind = obj["apiVersion"], obj["kind"]
-        if api_version == self.ie_api_version and kind == "InferenceEngine":
-            self._inference_engine(obj)
+        if (api_version, kind) in self.crd_schemas:
+            jsonschema.validate(obj, self.crd_schemas[api_version, kind])
+            if kind == "InferenceEngine":
+                self._inference_engine(obj)
         elif api_version == MONITORING_API:
             self._monitoring(obj)
         else:
             for version in K8S_VERSIONS:
                 self.builtin.validate(obj, version)
 
-    def _inference_engine(self, obj: dict[str, Any]) -> None:
+    @staticmethod
+    def _inference_engine(obj: dict[str, Any]) -> None:
         from pagedinfer.operator.spec import InferenceEngineSpec
 
-        jsonschema.validate(obj, self.ie_schema)
-        InferenceEngineSpec.model_validate(obj["spec"])
+        InferenceEngineSpec.model_validate(obj["spec"])  # also the rules CEL enforces on a cluster
 
     @staticmethod
     def _monitoring(obj: dict[str, Any]) -> None:

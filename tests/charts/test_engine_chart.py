@@ -89,15 +89,13 @@ def test_values_become_the_spec(rendered):
 
 
 def test_default_is_the_cpu_smollm2_sample(rendered):
+    """`helm install NAME charts/pagedinfer-engine` creates exactly manifests/samples/smollm2-cpu.yaml."""
     from pagedinfer.engine.config import DEFAULT_MODEL_URI
 
+    sample = yaml.safe_load((ROOT / "manifests" / "samples" / "smollm2-cpu.yaml").read_text())
     spec = rendered["cpu-sample"][0]["spec"]
-    assert spec["model"]["uri"] == DEFAULT_MODEL_URI
-    assert spec["resources"]["gpus"] == 0
-    samples = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
-    cpu = [s for s in samples if yaml.safe_load(s.read_text())["spec"]["resources"].get("gpus", 0) == 0]
-    for sample in cpu:  # the operator's CPU sample and the chart's default serve the same model
-        assert yaml.safe_load(sample.read_text())["spec"]["model"]["uri"] == DEFAULT_MODEL_URI
+    assert spec == sample["spec"]
+    assert spec["model"]["uri"] == DEFAULT_MODEL_URI and spec["resources"]["gpus"] == 0
 
 
 def test_the_operator_renders_the_engine_deployment(rendered, validate):
@@ -125,7 +123,17 @@ def test_the_operator_renders_the_engine_deployment(rendered, validate):
 
 
 def test_notes_show_how_to_reach_it(helm):
+    from pagedinfer.operator.spec import ServiceSpec
+
+    ports = ServiceSpec()
+    notes = helm.notes(CHART, {"service": {"httpPort": 9000, "grpcPort": 9001}})
+    assert "port-forward svc/pi 9000:9000 9001:9001" in notes and "localhost:9000/v1/chat" in notes
+    notes = helm.notes(CHART)  # no service values: the CRD's default ports
+    assert (
+        f"port-forward svc/pi {ports.http_port}:{ports.http_port} {ports.grpc_port}:{ports.grpc_port}"
+        in notes
+    )
     notes = helm.notes(CHART, {"name": "tiny"}, namespace="demo")
     assert "kubectl -n demo port-forward svc/tiny 8000:8000 50051:50051" in notes
-    assert '"model": "smollm2-135m-instruct"' in notes
+    assert '"model": "smollm2-135m"' in notes
     assert "CPU only" in notes

@@ -47,13 +47,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             },
         }
     },
+    "ha": {"replicaCount": 3, **MONITORING_ON},
+    "ha-namespaced": {"replicaCount": 2, "operator": {"allNamespaces": False, "watchNamespaces": ["ml"]}},
     "only-engine-alerts": {
         "prometheusRule": {"enabled": True, "rules": {"operatorReconcileErrors": {"enabled": False}}}
     },
 }
 # Each breaks one rule of values.schema.json; helm must refuse to render it.
 BAD_VALUES: dict[str, dict[str, Any]] = {
-    "unknown-key": {"replicaCount": 2},
+    "unknown-key": {"replicas": 2},
+    "too-many-replicas": {"replicaCount": 9},
     "latest-tag": {"image": {"tag": "latest"}},
     "bad-digest": {"image": {"digest": "sha256:xyz"}},
     "latest-engine-image": {"engineImages": {"cpu": "ghcr.io/x/engine-cpu:latest"}},
@@ -106,9 +109,17 @@ def test_crds_identical_to_manifests():
     subprocess.run([str(ROOT / "scripts" / "sync_crds.sh"), "--check"], check=True, cwd=ROOT)
 
 
-def test_crd_is_a_valid_custom_resource_definition(validate):
-    for path in (CHART / "crds").glob("*.yaml"):
-        validate(yaml.safe_load(path.read_text()))
+def test_crds_are_valid_custom_resource_definitions(validate):
+    crds = [
+        d for p in sorted((CHART / "crds").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d
+    ]
+    assert {c["spec"]["names"]["kind"] for c in crds} >= {
+        "InferenceEngine",
+        "KopfPeering",
+        "ClusterKopfPeering",
+    }
+    for crd in crds:
+        validate(crd)
 
 
 def _rules(objs, kind):
@@ -123,22 +134,62 @@ def _required_grants() -> set[tuple[str, str, str]]:
     """What the operator's code touches: every owned kind in full, its CR, pods read-only."""
     from pagedinfer.operator import resources as res
 
-    full = ("get", "list", "watch", "create", "update", "patch", "delete")
+    full = ("get", "list", "watch", "create", "patch", "delete")
     need = {(r.group, r.plural, v) for r in res.OWNED for v in full}
     ie = res.INFERENCE_ENGINE
     need |= {(ie.group, ie.plural, v) for v in ("get", "list", "watch", "patch")}
     need |= {(ie.group, f"{ie.plural}/status", "patch")}
-    need |= {(res.POD.group, res.POD.plural, v) for v in ("get", "list", "watch")}
+    need |= {(res.POD.group, res.POD.plural, v) for v in ("get", "list")}
     return need
 
 
-def test_cluster_wide_rbac_grants_what_the_operator_uses(rendered):
-    objs = rendered["defaults"]
-    grants = _grants(_rules(objs, "ClusterRole"))
-    assert not _rules(objs, "Role")
-    missing = _required_grants() - grants
+def _manifest_grants(*names: str) -> set[tuple[str, str, str]]:
+    docs = [d for n in names for d in yaml.safe_load_all((ROOT / "manifests" / "rbac" / n).read_text()) if d]
+    return _grants([r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]])
+
+
+PEERING = {"kopf.dev"}
+
+
+def test_cluster_wide_rbac_is_the_operators_manifest(rendered):
+    """Same grants as manifests/rbac/cluster-role.yaml (whose every verb tests/operator checks
+    against the operator's calls); Kopf peering only when there is more than one replica."""
+    manifest = _manifest_grants("cluster-role.yaml")
+    ha = _grants(_rules(rendered["ha"], "ClusterRole"))
+    assert ha == manifest
+    single = _grants(_rules(rendered["defaults"], "ClusterRole"))
+    assert single == {g for g in manifest if g[0] not in PEERING}
+    assert not _rules(rendered["defaults"], "Role")
+    missing = _required_grants() - single
     assert not missing, f"ClusterRole lacks {sorted(missing)}"
-    assert ("apiextensions.k8s.io", "customresourcedefinitions", "get") in grants
+
+
+def test_namespaced_rbac_is_the_operators_manifest(rendered):
+    objs = rendered["ha-namespaced"]
+    assert _grants(_rules(objs, "Role")) == _manifest_grants("namespaced/role.yaml")
+    assert _grants(_rules(objs, "ClusterRole")) == _manifest_grants("namespaced/cluster-discovery.yaml")
+    single = _grants(_rules(rendered["namespaced"], "Role"))
+    assert single == {g for g in _manifest_grants("namespaced/role.yaml") if g[0] not in PEERING}
+
+
+def test_replicas_and_peering(rendered):
+    single = _operator_container(rendered["defaults"])["args"]
+    assert "--standalone" in single and not any(a.startswith("--peering") for a in single)
+    deployment = next(o for o in rendered["ha"] if o["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    peering = next(o for o in rendered["ha"] if o["kind"] == "ClusterKopfPeering")
+    assert f"--peering={peering['metadata']['name']}" in _operator_container(rendered["ha"])["args"]
+    assert (
+        next(o for o in rendered["ha"] if o["kind"] == "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    )
+    namespaced = [o for o in rendered["ha-namespaced"] if o["kind"] == "KopfPeering"]
+    assert [o["metadata"]["namespace"] for o in namespaced] == ["ml"]
+    defaults = next(o for o in rendered["defaults"] if o["kind"] == "Deployment")
+    assert defaults["spec"]["strategy"] == {"type": "Recreate"}
+    assert not {"ClusterKopfPeering", "KopfPeering", "PodDisruptionBudget"} & {
+        o["kind"] for o in rendered["defaults"]
+    }
 
 
 def test_rbac_is_least_privilege(rendered):

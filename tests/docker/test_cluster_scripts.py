@@ -5,12 +5,14 @@ operator chart, apply the sample, wait for Ready, port-forward and send the smok
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "docker" / "cluster"
@@ -27,7 +29,7 @@ case "$tool $*" in
   "kubectl apply"*) echo "$STUB_ENGINE" ;;
   "kubectl wait"*) exit "${STUB_WAIT_RC:-0}" ;;
   "kubectl get nodes"*) echo "1" ;;
-  *"servedModelName"*) echo "smollm2-135m-instruct" ;;
+  *"servedModelName"*) echo "smollm2-135m" ;;
   *"httpPort"*) echo "8000" ;;
   *"grpcPort"*) echo "50051" ;;
   "kubectl port-forward"*) exec sleep 30 ;;
@@ -63,7 +65,9 @@ def test_shellcheck(path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def _run(script: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run(
+    script: str, tmp_path: Path, with_sample: bool = True, **env: str
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "stub"
@@ -83,7 +87,7 @@ def _run(script: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedP
         "STUB_LOG": str(log),
         "STUB_ENGINE": ENGINE,
         "PYTHON": str(smoke),  # records the smoke client's arguments
-        "SAMPLE": str(sample),
+        **({"SAMPLE": str(sample)} if with_sample else {}),
         **env,
     }
     proc = subprocess.run(
@@ -105,50 +109,81 @@ def _index(calls: list[str], prefix: str) -> int:
     raise AssertionError(f"no call starting with {prefix!r} in:\n" + "\n".join(calls))
 
 
-FLOW = [
+MONITORING_AND_OPERATOR = [
     "helm repo add prometheus-community",
     "helm upgrade --install prometheus-operator-crds prometheus-community/prometheus-operator-crds",
     "helm upgrade --install pagedinfer-operator " + str(ROOT / "charts" / "pagedinfer-operator"),
-    "kubectl apply --namespace default -f",
-    f"kubectl wait --namespace default --for=jsonpath={{.status.phase}}=Ready {ENGINE}",
-    "stub " + str(CLUSTER / "smoke.py"),
 ]
-# Started in the background, so its log line may land before or after the smoke client's.
-PORT_FORWARD = "kubectl port-forward --namespace default svc/smollm2 18000:8000 15051:50051"
-SETUP = {
-    "kind-cpu.sh": [
-        "kind create cluster --name pagedinfer",
-        "docker build -f " + str(ROOT / "docker" / "engine-cpu.Dockerfile"),
-        "docker build -f " + str(ROOT / "docker" / "operator.Dockerfile"),
-        "kind load docker-image --name pagedinfer ghcr.io/pagedinfer/engine-cpu:dev ghcr.io/pagedinfer/operator:dev",
-    ],
-    "kind-gpu.sh": [
-        "nvidia-smi -L",
-        "kind create cluster --name pagedinfer-gpu",
-        "helm upgrade --install gpu-operator nvidia/gpu-operator",
-        "kubectl get nodes",
-        "docker build -f " + str(ROOT / "docker" / "engine-cuda.Dockerfile"),
-        "kind load docker-image --name pagedinfer-gpu ghcr.io/pagedinfer/engine:dev ghcr.io/pagedinfer/operator:dev",
-    ],
-    "minikube-gpu.sh": [
-        "nvidia-smi -L",
-        "minikube start --profile pagedinfer --driver docker --container-runtime docker --gpus all",
-        "kubectl get nodes",
-        "docker build -f " + str(ROOT / "docker" / "engine-cuda.Dockerfile"),
-        "minikube image load --profile pagedinfer ghcr.io/pagedinfer/engine:dev",
-    ],
+
+
+def _serve_flow(engine: str) -> list[str]:
+    return [
+        f"kubectl wait --namespace default --for=jsonpath={{.status.phase}}=Ready {engine}",
+        "stub " + str(CLUSTER / "smoke.py"),
+    ]
+
+
+# The port-forward starts in the background, so its log line may land before or after the
+# smoke client's; the smoke stand-in waits for it, as smoke.py retries until it is up.
+def _port_forward(name: str) -> str:
+    return f"kubectl port-forward --namespace default svc/{name} 18000:8000 15051:50051"
+
+
+GPU_ENGINE = "inferenceengine.serving.pagedinfer.io/smollm2-gpu"
+ENGINE_CHART = "helm upgrade --install smollm2-gpu " + str(ROOT / "charts" / "pagedinfer-engine")
+CASES = {
+    # script: (SAMPLE set, steps before the operator, how the engine is created, its resource)
+    "kind-cpu.sh": (
+        True,
+        [
+            "kind create cluster --name pagedinfer",
+            "docker build -f " + str(ROOT / "docker" / "engine-cpu.Dockerfile"),
+            "docker build -f " + str(ROOT / "docker" / "operator.Dockerfile"),
+            "kind load docker-image --name pagedinfer ghcr.io/pagedinfer/engine-cpu:dev ghcr.io/pagedinfer/operator:dev",
+        ],
+        "kubectl apply --namespace default -f",
+        ENGINE,
+    ),
+    "kind-gpu.sh": (
+        False,
+        [
+            "nvidia-smi -L",
+            "kind create cluster --name pagedinfer-gpu",
+            "helm upgrade --install gpu-operator nvidia/gpu-operator",
+            "kubectl get nodes",
+            "docker build -f " + str(ROOT / "docker" / "engine-cuda.Dockerfile"),
+            "kind load docker-image --name pagedinfer-gpu ghcr.io/pagedinfer/engine:dev ghcr.io/pagedinfer/operator:dev",
+        ],
+        ENGINE_CHART,
+        GPU_ENGINE,
+    ),
+    "minikube-gpu.sh": (
+        False,
+        [
+            "nvidia-smi -L",
+            "minikube start --profile pagedinfer --driver docker --container-runtime docker --gpus all",
+            "kubectl get nodes",
+            "docker build -f " + str(ROOT / "docker" / "engine-cuda.Dockerfile"),
+            "minikube image load --profile pagedinfer ghcr.io/pagedinfer/engine:dev",
+        ],
+        ENGINE_CHART,
+        GPU_ENGINE,
+    ),
 }
 
 
-@pytest.mark.parametrize("script", sorted(SETUP))
+@pytest.mark.parametrize("script", sorted(CASES))
 def test_script_runs_the_whole_flow_in_order(script, tmp_path):
-    proc, calls = _run(script, tmp_path)
+    with_sample, setup, create, engine = CASES[script]
+    proc, calls = _run(script, tmp_path, with_sample=with_sample)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    order = [_index(calls, prefix) for prefix in SETUP[script] + FLOW]
+    steps = setup + MONITORING_AND_OPERATOR + [create] + _serve_flow(engine)
+    order = [_index(calls, prefix) for prefix in steps]
     assert order == sorted(order), "\n".join(calls)
-    assert _index(calls, PORT_FORWARD) > _index(calls, "kubectl wait")
+    assert _index(calls, _port_forward(engine.rsplit("/", 1)[1])) > _index(calls, "kubectl wait")
+    model = "smollm2-135m"
     smoke = calls[_index(calls, "stub " + str(CLUSTER / "smoke.py"))]
-    assert "--http http://127.0.0.1:18000 --grpc 127.0.0.1:15051 --model smollm2-135m-instruct" in smoke
+    assert f"--http http://127.0.0.1:18000 --grpc 127.0.0.1:15051 --model {model}" in smoke
     install = calls[_index(calls, "helm upgrade --install pagedinfer-operator ")]
     for flag in (
         "--set image.repository=ghcr.io/pagedinfer/operator --set image.tag=dev",
@@ -157,6 +192,38 @@ def test_script_runs_the_whole_flow_in_order(script, tmp_path):
         "--set dashboard.enabled=true",
     ):
         assert flag in install, install
+
+
+def test_gpu_scripts_install_a_valid_one_gpu_engine(tmp_path):
+    """The --set values the GPU scripts give the engine chart pass its CRD-derived schema."""
+    proc, calls = _run("kind-gpu.sh", tmp_path, with_sample=False)
+    assert proc.returncode == 0, proc.stderr
+    words = calls[_index(calls, ENGINE_CHART)].split()
+    sets = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+    assert sets["resources.gpus"] == "1"
+    values: dict = {}
+    for key, value in sets.items():
+        node = values
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = int(value) if value.isdigit() else value
+    values_file = tmp_path / "values.json"
+    values_file.write_text(json.dumps(values))
+    helm = ROOT / ".tools" / "bin" / "helm"
+    args = [
+        str(helm),
+        "template",
+        "smollm2-gpu",
+        str(ROOT / "charts" / "pagedinfer-engine"),
+        "-f",
+        str(values_file),
+    ]
+    env = {**os.environ, "HELM_CACHE_HOME": str(tmp_path / "c"), "HELM_CONFIG_HOME": str(tmp_path / "f")}
+    out = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    (ie,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert ie["spec"]["resources"]["gpus"] == 1 and ie["metadata"]["name"] == "smollm2-gpu"
 
 
 def test_values_the_scripts_set_exist_in_the_chart(tmp_path):

@@ -258,3 +258,16 @@ def test_embedded_model_is_optional_and_pinned_like_setup(path):
     assert args["SMOLLM2_VERSION"] == _setup_default("SMOLLM2_VERSION")
     if "TORCH_VERSION" in args:
         assert args["TORCH_VERSION"] == _setup_default("TORCH_VERSION")
+
+
+def test_operator_image_command_reaches_the_operator_through_the_console_script():
+    """The image runs the `pagedinfer` console script (engine.cli:main); `operator` must be one
+    of its subcommands and hand the rest of the command line to the operator's parser."""
+    from pagedinfer.engine.cli import build_parser
+
+    cmd = _command(DOCKER / "operator.Dockerfile")
+    parser = build_parser()
+    choices = parser._subparsers._group_actions[0].choices  # argparse keeps subcommands here
+    assert "operator" in choices, "`pagedinfer operator` is not registered in pagedinfer.engine.cli"
+    args, rest = parser.parse_known_args(cmd)
+    assert args.command == "operator"
