@@ -184,11 +184,15 @@ std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
 std::vector<Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids, int64_t batch) {
   std::vector<Sequence*> seqs;
   seqs.reserve(batch);
-  for (int64_t i = 0; i < batch; ++i) seqs.push_back(&get(seq_ids[i]));
-  std::vector<Sequence*> sorted = seqs;
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    throw std::invalid_argument("a sequence id appears twice in one batch");
+  uint64_t stamp = ++batch_stamp_;
+  for (int64_t i = 0; i < batch; ++i) {
+    Sequence& seq = get(seq_ids[i]);
+    if (seq.batch_stamp == stamp) {
+      throw std::invalid_argument("sequence " + std::to_string(seq_ids[i]) +
+                                  " appears twice in one batch");
+    }
+    seq.batch_stamp = stamp;  // bookkeeping only: not observable state
+    seqs.push_back(&seq);
   }
   return seqs;
 }

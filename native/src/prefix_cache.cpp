@@ -42,14 +42,14 @@ PrefixCache::PrefixCache(int32_t num_blocks)
       registered_(num_blocks, 0) {
   std::size_t capacity = 8;
   while (capacity < 2 * static_cast<std::size_t>(num_blocks)) capacity *= 2;  // load factor <= 1/2
-  table_.assign(capacity, -1);
+  table_.assign(capacity, Entry{0, -1});
   mask_ = capacity - 1;
 }
 
 int32_t PrefixCache::find(uint64_t hash) const {
   for (std::size_t slot = slot_of(hash);; slot = (slot + 1) & mask_) {
-    int32_t block = table_[slot];
-    if (block < 0 || hash_[block] == hash) return block;
+    const Entry& entry = table_[slot];
+    if (entry.block < 0 || entry.hash == hash) return entry.block;
   }
 }
 
@@ -65,8 +65,8 @@ bool PrefixCache::has_valid_parent(int32_t block) const {
 void PrefixCache::insert(int32_t block, uint64_t hash, int32_t parent) {
   assert(!registered_[block] && find(hash) < 0);
   std::size_t slot = slot_of(hash);
-  while (table_[slot] >= 0) slot = (slot + 1) & mask_;
-  table_[slot] = block;
+  while (table_[slot].block >= 0) slot = (slot + 1) & mask_;
+  table_[slot] = Entry{hash, block};
   hash_[block] = hash;
   parent_[block] = parent;
   parent_generation_[block] = parent >= 0 ? generation_[parent] : 0;
@@ -78,11 +78,11 @@ void PrefixCache::insert(int32_t block, uint64_t hash, int32_t parent) {
 void PrefixCache::erase(int32_t block) {
   assert(registered_[block]);
   std::size_t slot = slot_of(hash_[block]);
-  while (table_[slot] != block) slot = (slot + 1) & mask_;
+  while (table_[slot].block != block) slot = (slot + 1) & mask_;
   // Backward-shift deletion keeps every probe chain unbroken without tombstones.
   std::size_t hole = slot;
-  for (std::size_t next = (hole + 1) & mask_; table_[next] >= 0; next = (next + 1) & mask_) {
-    std::size_t home = slot_of(hash_[table_[next]]);
+  for (std::size_t next = (hole + 1) & mask_; table_[next].block >= 0; next = (next + 1) & mask_) {
+    std::size_t home = slot_of(table_[next].hash);
     // Move the entry into the hole unless its home lies cyclically in (hole, next].
     bool stays = hole <= next ? (hole < home && home <= next) : (hole < home || home <= next);
     if (!stays) {
@@ -90,7 +90,7 @@ void PrefixCache::erase(int32_t block) {
       hole = next;
     }
   }
-  table_[hole] = -1;
+  table_[hole] = Entry{0, -1};
   registered_[block] = 0;
   --size_;
 }

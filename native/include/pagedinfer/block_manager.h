@@ -29,6 +29,7 @@ struct Sequence {
   std::vector<int32_t> blocks;  // page table: logical block -> physical block
   // Leading blocks already offered to the prefix cache (registered or deduplicated).
   int32_t num_hashed_blocks = 0;
+  uint64_t batch_stamp = 0;  // last batch call that visited it (duplicate-id detection)
 };
 
 struct BlockManagerStats {
@@ -141,6 +142,7 @@ class BlockManager {
   int64_t prefix_cache_queries_ = 0;
   int64_t cow_copies_ = 0;
   int64_t evictions_ = 0;
+  uint64_t batch_stamp_ = 0;
 };
 
 }  // namespace pagedinfer

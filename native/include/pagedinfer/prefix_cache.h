@@ -41,7 +41,11 @@ class PrefixCache {
  private:
   std::size_t slot_of(uint64_t hash) const { return static_cast<std::size_t>(hash) & mask_; }
 
-  std::vector<int32_t> table_;  // open addressing, linear probing; -1 = empty
+  struct Entry {
+    uint64_t hash;
+    int32_t block;  // -1: empty
+  };
+  std::vector<Entry> table_;  // open addressing, linear probing (hash inline: one cache line)
   std::size_t mask_ = 0;
   std::vector<uint64_t> hash_;
   std::vector<int32_t> parent_;
