@@ -32,6 +32,7 @@ class PagedRunner:
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, model.device, model.dtype)
         self.tokens: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
+        self.backend: str | None = None  # attention backend for every step (None: auto)
 
     def add(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """Register a prompt; returns how many leading tokens were prefix-cache hits."""
@@ -67,7 +68,9 @@ class PagedRunner:
             [self.tokens[s][c : c + n] for s, c, n in zip(seq_ids, computed, num_new, strict=True)]
         )
         device = self.model.device
-        md = AttentionMetadata.from_batch(batch, device, logits_indices=np.arange(len(input_ids)))
+        md = AttentionMetadata.from_batch(
+            batch, device, logits_indices=np.arange(len(input_ids)), backend=self.backend
+        )
         ids = torch.as_tensor(input_ids, dtype=torch.int64, device=device)
         hidden = self.model(ids, md.positions, self.kv_caches, md)  # [T, hidden]
         logits = self.model.compute_logits(hidden[md.logits_indices])  # [T, vocab]

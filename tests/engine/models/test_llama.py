@@ -130,3 +130,25 @@ def test_forward_rejects_wrong_number_of_caches(tiny_checkpoint):
     runner.kv_caches = runner.kv_caches[:1]
     with pytest.raises(ValueError, match="KV caches for 2 layers"):
         runner.step([0], [3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_cuda_bfloat16_close_to_hf_fp32(tiny_checkpoint, backend):
+    """GPU counterpart of test_bfloat16_close_to_hf_fp32 (same tolerance), per attention backend."""
+    hf, folder = tiny_checkpoint("llama-gqa")
+    loaded = load_model(str(folder), "cuda", torch.bfloat16)
+    runner = PagedRunner(loaded.model, BlockManager(NUM_BLOCKS, BLOCK_SIZE, True), NUM_BLOCKS, BLOCK_SIZE)
+    runner.backend = backend
+    seqs = [_tokens(n, seed=40 + n) for n in (23, 9)]
+    for seq_id, seq in enumerate(seqs):
+        runner.add(seq_id, seq)
+    prefill = runner.step([0, 1], [23, 9]).cpu()
+    _assert_close(prefill, torch.cat([hf_logits(hf, s) for s in seqs]), BF16_ATOL)
+    extra = [_tokens(1, seed=50)[0], _tokens(1, seed=51)[0]]
+    for seq_id, token in enumerate(extra):
+        runner.append(seq_id, token)
+    decode = runner.step([0, 1], [1, 1]).cpu()  # the pure-decode kernel
+    ref = torch.stack([hf_logits(hf, s + [t])[-1] for s, t in zip(seqs, extra, strict=True)])
+    _assert_close(decode, ref, BF16_ATOL)
