@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -313,7 +314,8 @@ def run_cpu(args) -> dict:
     same = sum(a == b for a, b in zip(ours_texts, hf_tokens, strict=True))
     return {
         "mode": "cpu",
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
+        "load_average_at_end": os.getloadavg(),
         "torch": torch.__version__,
         "model": "builtin://smollm2-135m (Q4_1 GGUF dequantized to fp32)",
         "output_len": args.output_len,
@@ -332,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--hf-requests", type=int, default=64, help="requests for the transformers peers")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both peers)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.output_len is None:
         args.output_len = 32 if args.cpu else 256
     result = run_cpu(args) if args.cpu else run_gpu(args)

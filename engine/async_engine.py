@@ -48,6 +48,12 @@ class _NewRequest:
     arrival_time: float
 
 
+def _aborted_output(new: _NewRequest) -> RequestOutput:
+    deltas = [CompletionDelta(i, finish_reason=FinishReason.ABORT) for i in range(new.params.n)]
+    usage = Usage(prompt_tokens=len(new.prompt_token_ids), completion_tokens=0)
+    return RequestOutput(new.request_id, deltas, finished=True, usage=usage)
+
+
 class AsyncEngine:
     """Continuous-batching engine for asyncio servers. Build with `AsyncEngine.from_config`."""
 
@@ -145,8 +151,10 @@ class AsyncEngine:
             for request_id in aborts:
                 self._deliver(core.abort(request_id))
             for new in inbox:
-                if stop:
-                    self._fail(new.request_id, EngineDeadError("the engine is shutting down"))
+                if stop:  # accepted but never started: it ends like an abort
+                    stream = self._streams.pop(new.request_id, None)
+                    if stream is not None:
+                        stream.put(_aborted_output(new))
                 else:
                     self._admit(core, new)
             if stop and not core.has_unfinished():
@@ -248,10 +256,7 @@ class AsyncEngine:
             self._cv.notify()
             stream = self._streams.pop(request_id, None) if queued else None
         if stream is not None:  # never reached the engine thread: end its stream here
-            n = queued[0].params.n
-            deltas = [CompletionDelta(i, finish_reason=FinishReason.ABORT) for i in range(n)]
-            usage = Usage(prompt_tokens=len(queued[0].prompt_token_ids), completion_tokens=0)
-            stream.put(RequestOutput(request_id, deltas, finished=True, usage=usage))
+            stream.put(_aborted_output(queued[0]))
 
     def add_step_listener(self, callback: Callable[[StepStats], None]) -> None:
         self._listeners.append(callback)

@@ -50,6 +50,7 @@ class EngineCore:
         self.max_model_len = scheduler.max_model_len
         self.outputs = OutputProcessor(tokenizer, scheduler)
         self._listeners: list[StepListener] = []
+        self._pending: tuple[list, list] | None = None  # (updates, finished) awaiting outputs
         self._rng = random.Random(seed)
         self._next_seq_id = 0
         self._step = 0
@@ -129,21 +130,37 @@ class EngineCore:
         return self.outputs.process([], aborted) if aborted else []
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, apply results, build client outputs."""
+        """One iteration: schedule, launch the model, emit the previous step's outputs while the
+        GPU runs, collect the samples, apply them.
+
+        Outputs therefore trail the scheduler by one step (flushed at once when the engine goes
+        idle); a stop string found then finishes its sequence before its next token is applied.
+        """
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        handle = self.runner.launch(sched)
+        outputs = self._flush_pending()  # CPU work that overlaps the GPU's forward pass
+        result = self.runner.collect(handle)
         updates = self.scheduler.update(sched, result)
         if self.spec_decoder is not None:  # learn acceptance, draft the next step's tokens
             self.spec_decoder.after_step(sched, result, self.scheduler.running)
-        outputs = self.outputs.process(updates, self.scheduler.take_finished())
+        self._pending = (updates, self.scheduler.take_finished())
+        if not self.scheduler.has_unfinished():
+            outputs += self._flush_pending()
         self._step += 1
         self._account(sched, updates, result, time.perf_counter() - start, len(outputs))
         return outputs
+
+    def _flush_pending(self) -> list[RequestOutput]:
+        if self._pending is None:
+            return []
+        updates, finished = self._pending
+        self._pending = None
+        return self.outputs.process(updates, finished)
 
     def add_step_listener(self, callback: StepListener) -> None:
         self._listeners.append(callback)

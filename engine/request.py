@@ -46,6 +46,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
     num_computed_tokens: int = 0
+    num_kv_tokens: int = 0  # tokens holding KV slots (== the KV manager's num_tokens(seq_id))
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -79,14 +80,17 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output + speculative tokens, without copying all."""
+        """Tokens [start, end) of prompt + output + speculative tokens, copying only those."""
         num_prompt = len(self.prompt_token_ids)
+        num_out = len(self.output_token_ids)
         out: list[int] = []
         if start < num_prompt:
             out.extend(self.prompt_token_ids[start : min(end, num_prompt)])
-        rest = self.output_token_ids + self.spec_token_ids
-        if end > num_prompt:
-            out.extend(rest[max(start - num_prompt, 0) : end - num_prompt])
+        lo, hi = max(start - num_prompt, 0), end - num_prompt
+        if hi > lo:
+            out.extend(self.output_token_ids[lo : min(hi, num_out)])
+            if hi > num_out:
+                out.extend(self.spec_token_ids[max(lo - num_out, 0) : hi - num_out])
         return out
 
     @property

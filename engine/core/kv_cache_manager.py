@@ -110,6 +110,20 @@ class KVCacheManager:
             return None
         return [(int(s), int(d)) for s, d in copies]
 
+    def append_batch(
+        self, seq_ids: Sequence[int], token_ids: Sequence[int], num_tokens: Sequence[int]
+    ) -> list[tuple[int, int]] | None:
+        """`append` for many sequences in one call, all or nothing; None if they do not all fit."""
+        try:
+            copies = self._blocks.append_tokens_batch(
+                np.asarray(seq_ids, dtype=np.int64),
+                np.asarray(token_ids, dtype=np.int32),
+                np.asarray(num_tokens, dtype=np.int32),
+            )
+        except self._oob_errors:
+            return None
+        return [(int(s), int(d)) for s, d in copies]
+
     def blocks_needed_to_append(self, seq_id: int, num_tokens: int) -> int:
         return int(self._blocks.blocks_needed_to_append(seq_id, num_tokens))
 

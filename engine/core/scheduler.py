@@ -47,6 +47,7 @@ class Scheduler:
         self._by_seq_id: dict[int, Request] = {}
         self._admit_counter = 0
         self._finished: list[Request] = []  # finished outside update(): errors, aborts
+        self._pending_copies: list[tuple[int, int]] = []  # COW copies owed to the next step
         self.num_preemptions_total = 0
         self.num_preemptions_step = 0
 
@@ -131,7 +132,7 @@ class Scheduler:
         self.num_preemptions_step = 0
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        copies: list[tuple[int, int]] = []
+        copies, self._pending_copies = self._pending_copies, []
         preempted: list[int] = []
         self._preempt_for_priority(preempted)
         budget = self._schedule_running(budget, scheduled, copies, preempted)
@@ -162,6 +163,9 @@ class Scheduler:
         preempted: list[int],
     ) -> int:
         self.running.sort(key=lambda r: (-r.priority, r.admit_order))
+        fast = self._schedule_running_batched(budget, scheduled, copies)
+        if fast is not None:
+            return fast
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -176,16 +180,45 @@ class Scheduler:
             i += 1
         return budget
 
+    def _schedule_running_batched(
+        self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]]
+    ) -> int | None:
+        """The common case in one KV call: every planned sequence gets its slots, or None."""
+        plan: list[tuple[Request, int]] = []
+        seq_ids: list[int] = []
+        counts: list[int] = []
+        new_ids: list[int] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                continue
+            ids = seq.token_ids_range(seq.num_kv_tokens, seq.num_computed_tokens + num_new)
+            plan.append((seq, num_new))
+            seq_ids.append(seq.seq_id)
+            counts.append(len(ids))
+            new_ids.extend(ids)
+            budget -= num_new
+        result = self.kv.append_batch(seq_ids, new_ids, counts) if new_ids else []
+        if result is None:
+            return None
+        copies.extend(result)
+        for (seq, num_new), count in zip(plan, counts, strict=True):
+            seq.num_kv_tokens += count
+            scheduled.append(self._scheduled(seq, num_new))
+        return budget
+
     def _reserve_slots(
         self, seq: Request, num_new: int, copies: list[tuple[int, int]], preempted: list[int]
     ) -> bool:
         """Slots for the tokens `seq` computes this step; preempts from the tail if needed."""
-        kv_tokens = self.kv.num_tokens(seq.seq_id)
-        new_ids = seq.token_ids_range(kv_tokens, seq.num_computed_tokens + num_new)
+        new_ids = seq.token_ids_range(seq.num_kv_tokens, seq.num_computed_tokens + num_new)
         while True:
             result = self.kv.append(seq.seq_id, new_ids)
             if result is not None:
                 copies.extend(result)
+                seq.num_kv_tokens += len(new_ids)
                 return True
             victim = self.running[-1]
             if victim is seq:
@@ -203,6 +236,7 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
+        seq.num_kv_tokens = 0
         seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = RequestStatus.PREEMPTED
@@ -248,6 +282,7 @@ class Scheduler:
             if num_cached is None:
                 return  # strict order: a big head request is not starved by smaller ones
             self.waiting.pop(0)
+            seq.num_kv_tokens = seq.num_tokens
             self._admit(seq, num_cached)
             num_new = self._num_new_tokens(seq, budget)
             scheduled.append(self._scheduled(seq, num_new))
@@ -328,6 +363,7 @@ class Scheduler:
         for child in leader.pending_children:
             self.kv.fork(leader.seq_id, child.seq_id)
             child.num_computed_tokens = leader.num_computed_tokens
+            child.num_kv_tokens = leader.num_kv_tokens
             child.num_cached_tokens = leader.num_cached_tokens
             child.first_scheduled_time = leader.first_scheduled_time
             child.status = RequestStatus.RUNNING
@@ -344,7 +380,8 @@ class Scheduler:
         if num_rejected > 0:
             # Drafts after the first rejected one left stale KV behind: drop it.
             seq.num_computed_tokens -= num_rejected
-            self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+            self._pending_copies += self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+            seq.num_kv_tokens = seq.num_computed_tokens
         seq.spec_token_ids = []
         new_ids: list[int] = []
         for token_id in sampled.token_ids:

@@ -59,7 +59,7 @@ def build_sampling_metadata(
     logprobs = [p.logprobs for p in params]
 
     def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return _to_device(torch.tensor(values, dtype=dtype), device)
 
     meta = SamplingMetadata(
         temperature=dev(
@@ -90,6 +90,13 @@ def build_sampling_metadata(
     return meta
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pinned + non-blocking on CUDA: a pageable copy would wait for the running forward pass."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def _has_penalty(p) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -109,11 +116,15 @@ def _penalty_tensors(rows: Sequence[SamplingRow], device: torch.device) -> Penal
     prompts = [r.prompt_token_ids if r.sampling_params.repetition_penalty != 1.0 else [] for r in rows]
     outputs = [r.output_token_ids[: r.output_position] for r in rows]
     return PenaltyTensors(
-        prompt_ids=_pad(prompts).to(device, non_blocking=True),
-        output_ids=_pad(outputs).to(device, non_blocking=True),
-        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).to(device),
-        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(device),
-        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(device),
+        prompt_ids=_to_device(_pad(prompts), device),
+        output_ids=_to_device(_pad(outputs), device),
+        repetition=_to_device(
+            torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32), device
+        ),
+        presence=_to_device(torch.tensor([p.presence_penalty for p in params], dtype=torch.float32), device),
+        frequency=_to_device(
+            torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32), device
+        ),
     )
 
 
@@ -130,5 +141,5 @@ def _add_min_token_bans(meta, rows, eos_token_ids, device) -> None:
         ban_rows.extend([i] * len(banned))
         ban_ids.extend(sorted(banned))
     if ban_rows:
-        meta.ban_rows = torch.tensor(ban_rows, dtype=torch.int64).to(device)
-        meta.ban_token_ids = torch.tensor(ban_ids, dtype=torch.int64).to(device)
+        meta.ban_rows = _to_device(torch.tensor(ban_rows, dtype=torch.int64), device)
+        meta.ban_token_ids = _to_device(torch.tensor(ban_ids, dtype=torch.int64), device)

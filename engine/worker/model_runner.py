@@ -24,7 +24,7 @@ from pagedinfer.engine.core.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagedinfer.engine.sample.metadata import build_sampling_metadata
+from pagedinfer.engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets
 from pagedinfer.engine.worker.input_batch import InputBatch
@@ -72,6 +72,18 @@ class PrefixMatchVerifier:
         return out
 
 
+@dataclass
+class PendingStep:
+    """A launched step whose samples are still on the device."""
+
+    start: torch.cuda.Event | None
+    rows: list[SamplingRow]
+    groups: list[VerifyGroup]
+    meta: SamplingMetadata | None
+    logits: torch.Tensor | None  # [N, V]
+    sampled: SamplerOutput | None  # None: speculative rows, verified in collect()
+
+
 class ModelRunner:
     """Owns the input buffers, the CUDA graphs and the sampler for one model + KV cache."""
 
@@ -113,11 +125,19 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """One forward + sampling for the scheduled batch."""
+        """One forward + sampling for the scheduled batch (launch, then wait for it)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep | None:
+        """Enqueue the step's GPU work without waiting for it; `collect()` gets the tokens.
+
+        Between the two the engine does CPU work (detokenizing the previous step) that then
+        overlaps the GPU's forward pass.
+        """
         if sched.is_empty:
-            return ModelRunnerOutput([])
+            return None
         start = self._gpu_mark_start()
         if sched.block_copies:
             copies = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.config.device)
@@ -132,17 +152,27 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         if not rows:
-            self._gpu_mark_end(start)
-            return ModelRunnerOutput([])
-        # Sampling metadata is built on the CPU while the GPU runs the forward.
+            return PendingStep(start, rows, groups, None, None, None)
+        # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
         eos = [self.config.eos_token_ids] * len(rows)
         meta = build_sampling_metadata(rows, self.vocab_size, self.config.device, eos)
         logits = self.model.compute_logits(hidden[inputs.attn_metadata.logits_indices])  # [N, V]
         if self.spec_decoder is not None and any(g.draft_token_ids for g in groups):
-            result = self.spec_decoder.sample(logits, meta, groups)  # rejection sampling
+            return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect
+        return PendingStep(start, rows, groups, meta, logits, self.sampler(logits, meta))
+
+    @torch.inference_mode()
+    def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
+        """Wait for a launched step and turn its samples into per-sequence tokens."""
+        if pending is None:
+            return ModelRunnerOutput([])
+        if pending.meta is None:
+            result = ModelRunnerOutput([])
+        elif pending.sampled is None:
+            result = self.spec_decoder.sample(pending.logits, pending.meta, pending.groups)
         else:
-            result = self._collect(self.sampler(logits, meta), rows, groups, meta.num_logprobs)
-        self._gpu_mark_end(start)
+            result = self._collect(pending.sampled, pending.rows, pending.groups, pending.meta.num_logprobs)
+        self._gpu_mark_end(pending.start)
         return result
 
     def _sampling_plan(

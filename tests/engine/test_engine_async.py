@@ -31,6 +31,13 @@ async def started(folder, **sched) -> AsyncEngine:
     return engine
 
 
+async def until(predicate, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 async def collect(engine, ids, params, **kw):
     outs = []
     async for out in engine.generate(prompt_token_ids=ids, sampling_params=params, **kw):
@@ -70,11 +77,7 @@ async def test_abort_mid_stream_frees_blocks(tiny_llama_dir):
     # A consumer that walks away (breaks out of the stream) aborts its request too.
     async for _ in engine.generate(prompt_token_ids=[9] * 20, sampling_params=params, request_id="y"):
         break
-    for _ in range(100):
-        if engine.stats()["num_running"] == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert engine.stats()["num_running"] == 0
+    await until(lambda: engine.stats()["num_running"] == 0)
     await engine.shutdown(1.0)
 
 
@@ -90,9 +93,9 @@ async def test_invalid_and_overloaded_raise_before_streaming(tiny_llama_dir):
             pass
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     tasks = []
-    for _ in range(2):  # one runs (max_num_seqs=1), one waits
+    for key in ("num_running", "num_waiting"):  # one runs (max_num_seqs=1), one waits
         tasks.append(asyncio.create_task(collect(engine, [4, 5, 6], long)))
-        await asyncio.sleep(0.3)
+        await until(lambda key=key: engine.stats()[key] == 1)
     with pytest.raises(EngineOverloadedError):
         await collect(engine, [4, 5], params)
     for t in tasks:
@@ -105,8 +108,10 @@ async def test_shutdown_drains_then_aborts(tiny_llama_dir):
     engine = await started(tiny_llama_dir)
     slow = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     task = asyncio.create_task(collect(engine, [7, 7, 7], slow))
-    await asyncio.sleep(0.2)
+    queued = asyncio.create_task(collect(engine, [8, 8], slow))
+    await until(lambda: engine.stats()["num_running"] >= 1)
     await engine.shutdown(0.0)
+    assert (await asyncio.wait_for(queued, 10))[-1].deltas[0].finish_reason is FinishReason.ABORT
     outs = await asyncio.wait_for(task, 10)
     assert outs[-1].finished and outs[-1].deltas[-1].finish_reason is FinishReason.ABORT
     assert not engine._thread.is_alive()

@@ -339,6 +339,8 @@ def test_no_block_leak_after_random_workload(backend):
         if live and rng.random() < 0.1:
             s.abort_request(live.pop(rng.randrange(len(live))))
         step(s)
+        for seq in s.running:  # the Python-side slot count mirrors the KV manager's
+            assert s.kv.num_tokens(seq.seq_id) == seq.num_kv_tokens
     run_to_completion(s)
     assert s.num_preemptions_total > 0
     assert s.kv.num_free_blocks == s.kv.num_blocks
