@@ -276,16 +276,18 @@ def test_operator_env_is_what_the_operator_reads(helm):
 
 
 def test_operator_command_matches_the_cli(rendered):
-    from pagedinfer.operator.main import build_parser
+    """The container runs the `pagedinfer` console script (pagedinfer.engine.cli:main)."""
+    from pagedinfer.engine.cli import build_parser
 
     container = _operator_container(rendered["defaults"])
     assert container["command"] == ["pagedinfer"]
-    assert container["args"][0] == "operator"
-    assert build_parser().parse_args(container["args"][1:]).all_namespaces
-    namespaced = _operator_container(rendered["namespaced"])["args"]
-    assert build_parser().parse_args(namespaced[1:]).namespace == ["team-a", "team-b"]
-    pinned = _operator_container(rendered["pinned"])["args"]
-    assert build_parser().parse_args(pinned[1:]).verbose  # extraArgs reach the operator's CLI
+    args = build_parser().parse_args(container["args"])
+    assert (args.command, args.all_namespaces, args.standalone) == ("operator", True, True)
+    namespaced = build_parser().parse_args(_operator_container(rendered["namespaced"])["args"])
+    assert namespaced.namespace == ["team-a", "team-b"] and not namespaced.all_namespaces
+    ha = build_parser().parse_args(_operator_container(rendered["ha"])["args"])
+    assert ha.peering and not ha.standalone
+    assert build_parser().parse_args(_operator_container(rendered["pinned"])["args"]).verbose  # extraArgs
 
 
 def test_metrics_service_and_service_monitor_agree(rendered):
