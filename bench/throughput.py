@@ -71,7 +71,18 @@ def random_prompts(n: int, mean: int, std: int, vocab: int, seed: int = 0) -> li
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
-def build_hf_model(shape: dict):
+TINY = dict(
+    LLAMA3_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def build_hf_model(shape: dict, device: str):
     import transformers
 
     config = transformers.LlamaConfig(**shape)
@@ -79,7 +90,7 @@ def build_hf_model(shape: dict):
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = transformers.LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(prev)
@@ -89,7 +100,7 @@ def build_hf_model(shape: dict):
     return model.eval()
 
 
-def our_model_from_hf(hf, shape: dict):
+def our_model_from_hf(hf, shape: dict, device: str):
     from pagedinfer.engine.models.llama import LlamaForCausalLM
 
     mc = ModelConfig(
@@ -105,7 +116,7 @@ def our_model_from_hf(hf, shape: dict):
         rms_norm_eps=shape["rms_norm_eps"],
         rope_theta=shape["rope_theta"],
     )
-    model = LlamaForCausalLM(mc, torch.bfloat16, "cuda")
+    model = LlamaForCausalLM(mc, torch.bfloat16, device)
     model.requires_grad_(False)
     model.load_weights((name, t) for name, t in hf.state_dict().items())
     return model.eval()
@@ -115,7 +126,7 @@ def our_model_from_hf(hf, shape: dict):
 def hf_static_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """Left-padded static batch, greedy, every sequence forced to max_new_tokens."""
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=hf.device)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
@@ -124,10 +135,10 @@ def hf_static_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict:
         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
     )
     hf.generate(ids[:, :16], attention_mask=mask[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     hf.generate(ids, attention_mask=mask, **kwargs)
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - start
     tokens = len(prompts) * max_new_tokens
     return {
@@ -147,7 +158,7 @@ def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict
     try:
         start = time.perf_counter()
         outputs = hf.generate_batch(inputs=prompts, generation_config=config)
-        torch.cuda.synchronize()
+        sync()
         elapsed = time.perf_counter() - start
     except Exception as exc:  # a peer failing must not lose our own numbers
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -160,26 +171,33 @@ def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict
     }
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_gpu(args) -> dict:
+    """The GPU benchmark; `--smoke` runs the same code on a tiny model on the CPU."""
     from pagedinfer.engine.engine_builder import assemble_engine
 
-    shape = LLAMA3_8B
-    bw = copy_bandwidth_gbps()
+    shape, device = (TINY, "cpu") if args.smoke else (LLAMA3_8B, "cuda")
+    bw = copy_bandwidth_gbps() if device == "cuda" else 10.0  # smoke: a nominal figure
     print(f"device copy bandwidth (read+write): {bw:.0f} GB/s")
-    hf = build_hf_model(shape)
+    hf = build_hf_model(shape, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     hf_prompts = random_prompts(args.hf_requests, 512, 0, shape["vocab_size"], seed=1)
     peers = {"hf_static_batch": hf_static_batch(hf, hf_prompts, args.output_len)}
     print("transformers static batch:", peers["hf_static_batch"])
     peers["hf_generate_batch"] = hf_generate_batch(hf, hf_prompts, args.output_len)
     print("transformers generate_batch:", peers["hf_generate_batch"])
-    model = our_model_from_hf(hf, shape)
+    model = our_model_from_hf(hf, shape, device)
     del hf
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     config = EngineConfig(
         cache=CacheConfig(block_size=16, gpu_memory_utilization=0.90),
         scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048),
-        device=DeviceConfig(device="cuda", dtype="bfloat16"),
+        device=DeviceConfig(device=device, dtype="bfloat16"),
     )
     built = assemble_engine(config, model)
     core = built.core
@@ -195,20 +213,21 @@ def run_gpu(args) -> dict:
         curve.append({"concurrency": conc, **r.summary()})
         print(f"concurrency {conc}: {r.output_tok_s:.0f} tok/s")
     single = curve[0] if args.concurrency[0] == 1 else None
+    batch = max(args.concurrency)
     batch_run = run_engine_requests(
         core,
-        random_prompts(256, 512, 0, shape["vocab_size"], seed=7),
+        random_prompts(batch, 512, 0, shape["vocab_size"], seed=7),
         SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
     )
     single_run = run_engine_requests(core, random_prompts(1, 512, 0, shape["vocab_size"], seed=9), greedy)
     floors = {
-        "batch256": step_vs_floor(batch_run, weight_bytes, kv_tok, bw, 256),
+        f"batch{batch}": step_vs_floor(batch_run, weight_bytes, kv_tok, bw, batch),
         "single_stream": step_vs_floor(single_run, weight_bytes, kv_tok, bw, 1),
     }
     best_hf = max((p.get("output_tok_s", 0.0) for p in peers.values()), default=0.0)
     return {
         "mode": "gpu",
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "shape": shape,
         "weight_bytes": weight_bytes,
@@ -334,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--hf-requests", type=int, default=64, help="requests for the transformers peers")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--smoke", action="store_true", help="the GPU code path on a tiny CPU model")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both peers)")
     args = p.parse_args(argv)
     if args.threads:
@@ -343,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_cpu(args) if args.cpu else run_gpu(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "throughput_cpu" if args.cpu else "throughput_gpu"
+    name = "throughput_cpu" if args.cpu else "throughput_smoke" if args.smoke else "throughput_gpu"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     plot_results(result, out / f"{name}.png")
     summary = json.dumps({k: v for k, v in result.items() if k not in ("shape",)}, indent=1)
