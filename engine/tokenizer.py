@@ -48,7 +48,7 @@ _SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp token types
 
 
 def _byte_alphabet() -> set[str]:
@@ -134,21 +134,26 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, checkpoint: Any, extra_stop_token_ids: Sequence[int] = ()) -> Tokenizer:
-        """From the metadata of a `GGUFCheckpoint` (byte-level BPE vocabularies)."""
-        kind = checkpoint.metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2')")
+        """From the metadata of a `GGUFCheckpoint`: byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM2)
+        or sentencepiece BPE ("llama": Llama 2, Mistral), merges rebuilt from the scores."""
+        meta = checkpoint.metadata
+        kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = checkpoint.field("tokenizer.ggml.tokens") or []
-        merges: list[str] = checkpoint.field("tokenizer.ggml.merges") or []
         token_types: list[int] = checkpoint.field("tokenizer.ggml.token_type") or [1] * len(tokens)
         if not tokens or len(token_types) != len(tokens):
             raise TokenizerError("GGUF vocabulary missing, or its token types do not match it")
-        backend = _gguf_byte_level_backend(tokens, merges, token_types, checkpoint.metadata)
-        meta = checkpoint.metadata
+        if kind == "gpt2":
+            merges = checkpoint.field("tokenizer.ggml.merges") or []
+            backend = _gguf_byte_level_backend(tokens, merges, token_types, meta)
+        elif kind == "llama":
+            scores = checkpoint.field("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            backend = _gguf_sentencepiece_backend(tokens, scores, token_types, meta)
+        else:
+            raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported ('gpt2' or 'llama')")
 
         def token_of(key: str) -> str | None:
             index = meta.get(f"tokenizer.ggml.{key}")
-            return None if index is None else tokens[int(index)]
+            return None if index is None or not 0 <= int(index) < len(tokens) else tokens[int(index)]
 
         specials = {"unk_token": token_of("unknown_token_id"), "pad_token": token_of("padding_token_id")}
         return cls(
@@ -243,16 +248,83 @@ def _gguf_byte_level_backend(
     ]
     backend.add_special_tokens(specials)
     backend.add_tokens(user)
-    steps = [processors.ByteLevel(trim_offsets=False)]
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[int(bos_id)]
-        steps.append(
-            processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
-            )
-        )
+    steps = [processors.ByteLevel(trim_offsets=False), *_bos_processor(tokens, meta, default=False)]
     backend.post_processor = processors.Sequence(steps)
+    return backend
+
+
+def _bos_processor(tokens: list[str], meta: dict[str, Any], default: bool) -> list[processors.PostProcessor]:
+    """Prepend BOS when the file asks for it (llama.cpp adds it to sentencepiece vocabularies by default)."""
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if not meta.get("tokenizer.ggml.add_bos_token", default) or bos_id is None:
+        return []
+    bos = tokens[int(bos_id)]
+    return [
+        processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+        )
+    ]
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a sentencepiece vocabulary: every split of a token into two tokens,
+    best score first (the order transformers' `generate_merges` uses)."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    merges = []
+    for token, score in zip(tokens, scores, strict=True):
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _gguf_sentencepiece_backend(
+    tokens: list[str], scores: list[float], token_types: list[int], meta: dict[str, Any]
+) -> BackendTokenizer:
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    if len(scores) != len(tokens):
+        raise TokenizerError("GGUF sentencepiece scores do not match the vocabulary")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab=vocab,
+        merges=sentencepiece_merges(tokens, scores),
+        unk_token=None if unk_id is None else tokens[int(unk_id)],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = BackendTokenizer(model)
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(
+        [*steps, *([decoders.Strip(content=" ", left=1)] if add_prefix else [])]
+    )
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind in zip(tokens, token_types, strict=True)
+        if kind in (_CONTROL, _UNKNOWN)
+    ]
+    backend.add_special_tokens(special)
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, token_types, strict=True)
+            if kind == _USER_DEFINED
+        ]
+    )
+    steps = _bos_processor(tokens, meta, default=True)
+    backend.post_processor = processors.Sequence(steps) if steps else None
     return backend
 
 

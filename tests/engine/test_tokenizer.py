@@ -117,3 +117,44 @@ def test_missing_or_broken_template_is_a_typed_error(ours, tmp_path):
         strict.apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(TokenizerError, match="not found"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+SPM_PIECES = ["▁", "e", "h", "l", "o", "w", "r", "d", "t", "a", "n", "i", "s", "c", "f", "é", "▁t", "he"]
+SPM_PIECES += ["▁the", "ll", "llo", "▁he", "▁hello", "▁w", "or", "ld", "▁world", "in", "▁in", "is", "▁is"]
+SPM_PIECES += ["▁a", "an", "▁an", "▁c", "af", "▁caf", "▁café", "▁▁", "▁▁▁▁"]
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory):
+    """A tiny sentencepiece-style ("llama") GGUF vocabulary: scores, byte tokens, no merges."""
+    import gguf
+
+    folder = tmp_path_factory.mktemp("spm")
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *SPM_PIECES]
+    writer = gguf.GGUFWriter(folder / "spm.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return folder / "spm.gguf"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["hello world", " hello  world", "the café is in a", "hello\nworld ü 😀", "", "</s>hello<s> world"],
+)
+def test_sentencepiece_gguf_matches_transformers(spm_gguf, text):
+    ours = Tokenizer.from_gguf(GGUFCheckpoint(spm_gguf))
+    hf = transformers.AutoTokenizer.from_pretrained(spm_gguf.parent, gguf_file=spm_gguf.name)
+    ids = ours.encode(text)
+    assert ids == hf.encode(text) and ids[0] == ours.bos_token_id == 1  # BOS by default, like llama.cpp
+    assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
