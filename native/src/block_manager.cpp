@@ -28,10 +28,18 @@ int32_t checked_num_blocks(int32_t num_blocks, int32_t block_size) {
   return num_blocks;
 }
 
+int32_t log2_if_power_of_two(int32_t n) {
+  if (n <= 0 || (n & (n - 1)) != 0) return -1;
+  int32_t shift = 0;
+  while ((1 << shift) < n) ++shift;
+  return shift;
+}
+
 }  // namespace
 
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
     : block_size_(block_size),
+      shift_(log2_if_power_of_two(block_size)),
       enable_prefix_caching_(enable_prefix_caching),
       pool_(checked_num_blocks(num_blocks, block_size)),
       cache_(num_blocks),
@@ -119,7 +127,7 @@ int64_t BlockManager::add_sequence(int64_t seq_id, const int32_t* tokens, int64_
 int64_t BlockManager::append_need(const Sequence& seq, int64_t num_tokens) const {
   int64_t len = static_cast<int64_t>(seq.tokens.size());
   int64_t new_blocks = blocks_for(len + num_tokens) - blocks_for(len);
-  bool partial_last = len % block_size_ != 0;
+  bool partial_last = offset_in_block(len) != 0;
   bool cow = num_tokens > 0 && partial_last && pool_.refcount(seq.blocks.back()) > 1;
   return new_blocks + (cow ? 1 : 0);
 }
@@ -155,7 +163,8 @@ std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
     total += num_tokens[i];
     int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());
     needed += blocks_for(len + num_tokens[i]) - blocks_for(len);
-    if (num_tokens[i] > 0 && len % block_size_ != 0 && pool_.refcount(seqs[i]->blocks.back()) > 1) {
+    if (num_tokens[i] > 0 && offset_in_block(len) != 0 &&
+        pool_.refcount(seqs[i]->blocks.back()) > 1) {
       ++writers[seqs[i]->blocks.back()];
     }
   }
@@ -208,7 +217,7 @@ std::optional<BlockCopy> BlockManager::append_unchecked(Sequence* seq, const int
                                                         int64_t num_tokens) noexcept {
   std::optional<BlockCopy> copied;
   int64_t len = static_cast<int64_t>(seq->tokens.size());
-  if (len % block_size_ != 0) {
+  if (offset_in_block(len) != 0) {
     int32_t last = seq->blocks.back();
     if (pool_.refcount(last) > 1) {
       int32_t copy = allocate_block();
@@ -235,7 +244,7 @@ void BlockManager::write_tokens(Sequence* seq, int64_t start, const int32_t* tok
   int64_t pos = start;
   const int64_t end = start + num_tokens;
   while (pos < end) {
-    int64_t offset = pos % block_size_;
+    int64_t offset = offset_in_block(pos);
     if (offset == 0) seq->blocks.push_back(allocate_block());
     int64_t run = std::min<int64_t>(block_size_ - offset, end - pos);
     std::memcpy(&block_tokens_[static_cast<size_t>(seq->blocks.back()) * block_size_ + offset],
@@ -267,7 +276,7 @@ void BlockManager::truncate(int64_t seq_id, int64_t num_tokens) {
   seq.blocks.resize(keep);
   seq.tokens.resize(num_tokens);
   seq.num_hashed_blocks =
-      static_cast<int32_t>(std::min<int64_t>(seq.num_hashed_blocks, num_tokens / block_size_));
+      static_cast<int32_t>(std::min<int64_t>(seq.num_hashed_blocks, block_of(num_tokens)));
 }
 
 void BlockManager::free(int64_t seq_id) {

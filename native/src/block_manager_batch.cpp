@@ -37,7 +37,7 @@ void BlockManager::mark_computed(const int64_t* seq_ids, const int32_t* num_comp
 // is already cached in another block is replaced by that block (the duplicate is released), so
 // identical prefixes converge on one chain. Never allocates, never throws.
 void BlockManager::cache_full_blocks(Sequence* seq, int64_t num_computed) {
-  int64_t num_full = num_computed / block_size_;
+  int64_t num_full = block_of(num_computed);
   for (int64_t i = seq->num_hashed_blocks; i < num_full; ++i) {
     int32_t block = seq->blocks[i];
     int32_t parent = i > 0 ? seq->blocks[i - 1] : -1;
@@ -103,9 +103,9 @@ BatchArrays BlockManager::build_batch(const int64_t* seq_ids, const int32_t* num
     std::fill(row + used, row + out.max_blocks, 0);
     // One block at a time: slots inside a block are consecutive (vectorisable inner loop).
     for (int32_t pos = begin; pos < end;) {
-      int32_t offset = pos % block_size_;
+      int32_t offset = offset_in_block(pos);
       int32_t run = std::min(block_size_ - offset, end - pos);
-      int32_t first_slot = blocks[pos / block_size_] * block_size_ + offset;
+      int32_t first_slot = blocks[block_of(pos)] * block_size_ + offset;
       int32_t* slots = out.slot_mapping.data.get() + cursor;
       int32_t* positions = out.positions.data.get() + cursor;
       for (int32_t k = 0; k < run; ++k) {

@@ -87,7 +87,7 @@ void BlockManager::check_sequences() const {
     std::string name = "sequence " + std::to_string(seq_id);
     int64_t len = static_cast<int64_t>(seq.tokens.size());
     require(static_cast<int64_t>(seq.blocks.size()) == blocks_for(len), name + " block count");
-    require(seq.num_hashed_blocks >= 0 && seq.num_hashed_blocks <= len / block_size_,
+    require(seq.num_hashed_blocks >= 0 && seq.num_hashed_blocks <= block_of(len),
             name + " num_hashed_blocks out of range");
     for (size_t i = 0; i < seq.blocks.size(); ++i) {
       int32_t block = seq.blocks[i];
@@ -98,8 +98,8 @@ void BlockManager::check_sequences() const {
       }
     }
     for (int64_t pos = 0; pos < len; ++pos) {
-      int32_t block = seq.blocks[pos / block_size_];
-      require(block_tokens_[static_cast<size_t>(block) * block_size_ + pos % block_size_] ==
+      int32_t block = seq.blocks[block_of(pos)];
+      require(block_tokens_[static_cast<size_t>(block) * block_size_ + offset_in_block(pos)] ==
                   seq.tokens[pos],
               name + " token " + std::to_string(pos) + " differs from its block's content");
     }

@@ -27,7 +27,7 @@ tokens_st = st.lists(st.integers(0, 3), max_size=20)
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(4, 40),
-        block_size=st.sampled_from([1, 2, 2, 4, 4, 16]),
+        block_size=st.sampled_from([1, 2, 3, 4, 4, 16]),
         enable_prefix_caching=st.booleans(),
     )
     def setup(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:

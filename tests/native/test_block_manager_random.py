@@ -64,7 +64,7 @@ def _step(h: Lockstep, rng: random.Random, next_id: int) -> int:
 @pytest.mark.parametrize("seed", range(6))
 def test_random_walk_matches_reference(seed: int) -> None:
     rng = random.Random(seed)
-    h = Lockstep(num_blocks=rng.choice([16, 48]), block_size=rng.choice([2, 4, 16]))
+    h = Lockstep(num_blocks=rng.choice([16, 48]), block_size=rng.choice([2, 3, 4, 16]))
     next_id = 0
     for step in range(1500):
         next_id = _step(h, rng, next_id) % 190  # ids stay inside the harness's snapshot range

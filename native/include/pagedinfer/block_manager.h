@@ -113,9 +113,13 @@ class BlockManager {
 
  private:
   Sequence& get(int64_t seq_id);
-  int64_t blocks_for(int64_t num_tokens) const {
-    return (num_tokens + block_size_ - 1) / block_size_;
+  // Division by the block size, a shift for the usual powers of two (a 64-bit divide costs tens
+  // of cycles, several times per appended sequence). Arguments are never negative.
+  int64_t block_of(int64_t pos) const { return shift_ >= 0 ? pos >> shift_ : pos / block_size_; }
+  int64_t offset_in_block(int64_t pos) const {
+    return shift_ >= 0 ? pos & (block_size_ - 1) : pos % block_size_;
   }
+  int64_t blocks_for(int64_t num_tokens) const { return block_of(num_tokens + block_size_ - 1); }
   int64_t append_need(const Sequence& seq, int64_t num_tokens) const;
   std::vector<Sequence*> distinct_sequences(const int64_t* seq_ids, int64_t batch);
   void reserve_append(Sequence* seq, int64_t num_tokens);
@@ -133,6 +137,7 @@ class BlockManager {
   void check_sequences() const;
 
   int32_t block_size_;
+  int32_t shift_;  // log2(block_size_) for a power of two, else -1
   bool enable_prefix_caching_;
   BlockPool pool_;
   PrefixCache cache_;
