@@ -26,7 +26,6 @@ fi
 install_monitoring
 install_operator "$@"  # extra arguments go to helm (e.g. --set operator.allNamespaces=false)
 engine=$(apply_sample "$SAMPLE")
-[[ -n $engine ]] || die "$SAMPLE holds no InferenceEngine"
 wait_ready "$engine"
 smoke "$engine"
 log "done: $engine is serving (kubectl get ie -n $NAMESPACE)"

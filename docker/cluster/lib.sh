@@ -106,7 +106,9 @@ apply_sample() {
   local file=$1
   [[ -f $file ]] || die "no sample at $file"
   log "applying $file"
-  kubectl apply --namespace "$NAMESPACE" -f "$file" -o name | grep -i '^inferenceengine' | head -n 1
+  local applied
+  applied=$(kubectl apply --namespace "$NAMESPACE" -f "$file" -o name)
+  grep -i -m 1 '^inferenceengine' <<<"$applied" || die "$file holds no InferenceEngine"
 }
 
 # install_engine_chart NAME [helm args...]: one InferenceEngine through charts/pagedinfer-engine

@@ -35,7 +35,6 @@ install_monitoring
 install_operator "$@"  # extra arguments go to helm (e.g. --set operator.allNamespaces=false)
 if [[ -n $SAMPLE ]]; then
   engine=$(apply_sample "$SAMPLE")
-  [[ -n $engine ]] || die "$SAMPLE holds no InferenceEngine"
 else
   # The embedded SmolLM2 on one GPU: no model download, runs on any NVIDIA GPU.
   engine=$(install_engine_chart smollm2-gpu --set resources.gpus=1 --set resources.memory=8Gi \

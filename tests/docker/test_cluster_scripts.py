@@ -275,3 +275,10 @@ def test_monitoring_modes(tmp_path):
     (tmp_path / "bad").mkdir()
     proc, _ = _run("kind-cpu.sh", tmp_path / "bad", MONITORING="grafana")
     assert proc.returncode != 0 and "MONITORING must be" in proc.stderr
+
+
+def test_a_sample_without_an_inference_engine_is_a_clear_error(tmp_path):
+    proc, calls = _run("kind-cpu.sh", tmp_path, STUB_ENGINE="service/not-an-engine")
+    assert proc.returncode != 0
+    assert "holds no InferenceEngine" in proc.stderr
+    assert not any(c.startswith("kubectl wait") for c in calls)
