@@ -7,7 +7,9 @@ tokens/s, and the serving overhead ratio: server tokens/s / offline tokens/s (ta
     python3 bench/serving.py --model hf://... --device cuda --concurrency 1,8,32,128 --max-tokens 128
 
 Each client runs a closed loop of --requests-per-client requests (prompt of --prompt-len token
-ids, greedy, ignore_eos, exactly --max-tokens output tokens). Writes JSON + PNG to --out.
+ids, greedy, ignore_eos, exactly --max-tokens output tokens). The server and the offline engine
+are both alive, and --rounds interleave the three modes at each N (a shared machine's noise
+hits all alike). Writes JSON + PNG + a summary to --out.
 """
 
 from __future__ import annotations
@@ -272,66 +274,80 @@ class Server:
 
 
 # ---- the sweep --------------------------------------------------------------------------------
-async def sweep_server(server: Server, args, levels: list[int], vocab: int) -> list[LevelResult]:
+async def _offline_engine(args):
+    from pagedinfer.engine.async_engine import AsyncEngine
+    from pagedinfer.engine.server.cli_args import add_serve_parser, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    ns = add_serve_parser(parser.add_subparsers()).parse_args(server_args(args))
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    engine = AsyncEngine.from_config(engine_config_from_args(ns))
+    await engine.wait_ready()
+    return engine
+
+
+async def sweep(server: Server, args, vocab: int) -> list[LevelResult]:
+    """Rounds interleave the modes (offline, gRPC, HTTP) at each N, so a noisy neighbour hits all
+    of them alike; tokens/s is the median over rounds, latencies pool every request."""
     import grpc
 
+    from pagedinfer.engine.sampling_params import SamplingParams
     from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
     from pagedinfer.engine.server.proto_gen import inference_pb2_grpc as pb_grpc
 
     url = f"http://127.0.0.1:{server.http_port}"
-    out: list[LevelResult] = []
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    engine = None if args.no_offline else await _offline_engine(args)
+    limits = httpx.Limits(
+        max_connections=max(args.levels) + 4, max_keepalive_connections=max(args.levels) + 4
+    )
     async with (
         httpx.AsyncClient(timeout=None, limits=limits) as client,
         grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as ch,
     ):
         stub = pb_grpc.InferenceServiceStub(ch)
-        await http_request(client, url, prompts(1, args.prompt_len, vocab)[0], 2)  # warm-up
-        for n in levels:
-            ps = prompts(n * args.requests_per_client, args.prompt_len, vocab)
-            for mode in args.protocols:
-                if mode == "http":
-                    results, wall = await run_level(
-                        n,
-                        args.requests_per_client,
-                        lambda k, ps=ps: http_request(client, url, ps[k], args.max_tokens),
-                    )
-                else:
-                    results, wall = await run_level(
-                        n,
-                        args.requests_per_client,
-                        lambda k, ps=ps: grpc_request(stub, pb, ps[k], args.max_tokens),
-                    )
-                out.append(summarize(mode, n, results, wall))
-                print(_fmt(out[-1]), flush=True)
+        one = {
+            "http": lambda ids: http_request(client, url, ids, args.max_tokens),
+            "grpc": lambda ids: grpc_request(stub, pb, ids, args.max_tokens),
+            "offline": lambda ids: offline_request(engine, params, ids),
+        }
+        modes = (["offline"] if engine is not None else []) + args.protocols
+        warm = prompts(1, args.prompt_len, vocab)[0]
+        for mode in modes:
+            await one[mode](warm)
+        out = []
+        try:
+            for n in args.levels:
+                ps = prompts(n * args.requests_per_client, args.prompt_len, vocab)
+                rounds: dict[str, list] = {m: [] for m in modes}
+                for r in range(args.rounds):
+                    for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:  # rotate the order
+                        rounds[mode].append(
+                            await run_level(
+                                n, args.requests_per_client, lambda k, f=one[mode], ps=ps: f(ps[k])
+                            )
+                        )
+                for mode in modes:
+                    out.append(summarize_rounds(mode, n, rounds[mode]))
+                    print(_fmt(out[-1]), flush=True)
+        finally:
+            if engine is not None:
+                await engine.shutdown(0)
+    offline = {r.concurrency: r.tokens_per_second for r in out if r.mode == "offline"}
+    for r in out:
+        if r.mode != "offline" and r.concurrency in offline:
+            r.ratio_vs_offline = r.tokens_per_second / offline[r.concurrency]
     return out
 
 
-async def sweep_offline(args, levels: list[int], vocab: int) -> list[LevelResult]:
-    from pagedinfer.engine.async_engine import AsyncEngine
-    from pagedinfer.engine.sampling_params import SamplingParams
-    from pagedinfer.engine.server.cli_args import add_serve_parser, engine_config_from_args
-
-    parser = argparse.ArgumentParser()
-    ns = add_serve_parser(parser.add_subparsers()).parse_args(server_args(args))
-    engine = AsyncEngine.from_config(engine_config_from_args(ns))
-    await engine.wait_ready()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    out = []
-    try:
-        await offline_request(
-            engine, SamplingParams(max_tokens=2, temperature=0.0), prompts(1, args.prompt_len, vocab)[0]
-        )
-        for n in levels:
-            ps = prompts(n * args.requests_per_client, args.prompt_len, vocab)
-            results, wall = await run_level(
-                n, args.requests_per_client, lambda k, ps=ps: offline_request(engine, params, ps[k])
-            )
-            out.append(summarize("offline", n, results, wall))
-            print(_fmt(out[-1]), flush=True)
-    finally:
-        await engine.shutdown(0)
-    return out
+def summarize_rounds(mode: str, n: int, rounds: list[tuple[list[RequestResult], float]]) -> LevelResult:
+    pooled = summarize(mode, n, [x for results, _ in rounds for x in results], sum(w for _, w in rounds))
+    per_round = sorted(sum(x.num_tokens for x in results) / wall for results, wall in rounds)
+    pooled.tokens_per_second = per_round[len(per_round) // 2]
+    return pooled
 
 
 def _fmt(r: LevelResult) -> str:
@@ -343,7 +359,10 @@ def _fmt(r: LevelResult) -> str:
 
 
 def server_args(args) -> list[str]:
+    """Flags for the server and (parsed by the same parser) the in-process offline engine."""
     base = ["--model", args.model, "--device", args.device, "--max-num-seqs", str(max(args.levels))]
+    if args.device.startswith("cuda"):  # both engines live at once (interleaved rounds): half each
+        base += ["--gpu-memory-utilization", "0.42"]
     if args.max_model_len:
         base += ["--max-model-len", str(args.max_model_len)]
     return base + args.server_arg
@@ -386,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated N values")
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions per N (median tok/s)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -394,11 +414,22 @@ def main(argv: list[str] | None = None) -> int:
         "--server-arg", action="append", default=[], help="extra `pagedinfer serve` flag (repeatable)"
     )
     p.add_argument("--no-offline", action="store_true", help="skip the in-process peer")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for server and offline alike (default: 1 on cpu, where OpenMP "
+        "workers oversubscribe the cores next to the client processes; unset on cuda)",
+    )
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default=None, help="file name tag (default: device)")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
     args.protocols = [x.strip() for x in args.protocols.split(",") if x.strip()]
+    if args.torch_threads is None and args.device == "cpu":
+        args.torch_threads = 1
+    if args.torch_threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # the server child inherits it
     if args.random_model:
         args.model = str(
             write_random_llama(Path(tempfile.mkdtemp(prefix="random-llama-")), args.random_model)
@@ -412,15 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         from pagedinfer.engine.server.proto_gen import inference_pb2  # noqa: F401  (stubs before timing)
 
         vocab = _vocab(server)
-        results = asyncio.run(sweep_server(server, args, args.levels, vocab))
+        results = asyncio.run(sweep(server, args, vocab))
     finally:
         server.stop()
-    if not args.no_offline:
-        offline = asyncio.run(sweep_offline(args, args.levels, vocab))
-        by_n = {r.concurrency: r.tokens_per_second for r in offline}
-        for r in results:
-            r.ratio_vs_offline = r.tokens_per_second / by_n[r.concurrency]
-        results = offline + results
     lines = [_fmt(r) for r in results]
     lines += ["", "serving overhead (server tok/s / offline tok/s, target >= 0.95):"]
     lines += [
@@ -461,9 +486,11 @@ def _write(args, results: list[LevelResult], info: dict, lines: list[str]) -> No
             "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens,
             "requests_per_client": args.requests_per_client,
+            "rounds": args.rounds,
             "concurrency": args.levels,
             "greedy": True,
             "ignore_eos": True,
+            "torch_threads": args.torch_threads,
         },
         "results": [asdict(r) for r in results],
     }

@@ -64,7 +64,9 @@ class ServerProc:
         argv += [*DEFAULT_ARGS, *self.extra_args]
         fd, name = tempfile.mkstemp(prefix="pagedinfer-serve-", suffix=".log")
         self.log_path = Path(name)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        # One torch thread: on 2 cores shared with the test's own clients, OpenMP workers
+        # oversubscribe the CPU and make steps 10-20x slower and erratic.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
         # cwd outside the repository: a root-level operator/ must never shadow the stdlib.
         self.proc = subprocess.Popen(
             argv, stdout=fd, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir()
