@@ -22,7 +22,11 @@ namespace pi = pagedinfer;
 
 namespace {
 
-constexpr int64_t kBulkTokens = 1024;  // release the GIL for token lists at least this long
+// Work sizes from which a call releases the GIL. Below them the call takes a few microseconds,
+// and handing the GIL over could stall this thread for a whole switch interval (5 ms) behind
+// another busy Python thread.
+constexpr int64_t kBulkTokens = 1024;
+constexpr int64_t kBulkSequences = 128;
 
 // A 1-D integer argument as a contiguous buffer: a view of a matching C-contiguous NumPy array,
 // else a checked copy (lists, tuples, other integer dtypes). Floats and out-of-range values raise.
@@ -168,7 +172,8 @@ class PyBlockManager {
     IntArray<int32_t> counts(num_tokens, "num_tokens");
     if (ids.size() != counts.size())
       throw py::value_error("seq_ids and num_tokens differ in length");
-    std::vector<pi::BlockCopy> copies = locked(true, [&](pi::BlockManager& c) {
+    bool bulk = ids.size() >= kBulkSequences || tokens.size() >= kBulkTokens;
+    std::vector<pi::BlockCopy> copies = locked(bulk, [&](pi::BlockManager& c) {
       return c.append_tokens_batch(ids.data(), counts.data(), ids.size(), tokens.data(),
                                    tokens.size());
     });
@@ -180,7 +185,7 @@ class PyBlockManager {
     IntArray<int64_t> ids(seq_ids, "seq_ids");
     IntArray<int32_t> nums(num_computed, "num_computed_tokens");
     if (ids.size() != nums.size()) throw py::value_error("seq_ids and counts differ in length");
-    locked(true,
+    locked(ids.size() >= kBulkSequences,
            [&](pi::BlockManager& c) { c.mark_computed(ids.data(), nums.data(), ids.size()); });
   }
   PyBatchArrays build_batch(py::handle seq_ids, py::handle num_computed, py::handle num_new,
@@ -192,7 +197,8 @@ class PyBlockManager {
       throw py::value_error("seq_ids, num_computed_tokens and num_new_tokens differ in length");
     }
     if (max_blocks && *max_blocks < 0) throw py::value_error("max_blocks must be >= 0");
-    return wrap(locked(true, [&](pi::BlockManager& c) {
+    bool bulk = ids.size() >= kBulkSequences;
+    return wrap(locked(bulk, [&](pi::BlockManager& c) {
       return c.build_batch(ids.data(), computed.data(), fresh.data(), ids.size(),
                            max_blocks.value_or(-1));
     }));
