@@ -41,9 +41,10 @@ class PagedAttention(nn.Module):
         # x [T, hidden]; rope (cos, sin) [T, D/2]; caches [num_blocks, block_size, KVH, D]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)  # [T, H, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, D]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate together: one pass over [T, H + KVH, D] (strided views from here on).
+        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         out = self._attend(q, k, v, kv_cache, attn_metadata)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
