@@ -48,7 +48,7 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "bad-block-size": {"engine": {"blockSize": 24}},
     "name-too-long": {"name": "a" * 51},
     "name-not-dns": {"name": "Llama_3"},
-    "no-model-uri": {"model": {"uri": None}},
+    "empty-model-uri": {"model": {"uri": ""}},
     "bad-service-type": {"service": {"type": "ExternalName"}},
 }
 
@@ -86,6 +86,19 @@ def test_values_become_the_spec(rendered):
     assert extra["metadata"]["labels"]["team"] == "ml"
     assert extra["metadata"]["annotations"] == {"owner": "ml-platform"}
     assert extra["spec"]["auth"] == {"apiKeySecretRef": {"name": "engine-api-key"}}
+
+
+def test_a_model_uri_takes_nothing_from_the_sample(helm):
+    (ie,) = helm.template(CHART, {"model": {"uri": "hf://org/model"}, "resources": {"gpus": 1}})
+    assert ie["spec"] == {"model": {"uri": "hf://org/model"}, "resources": {"gpus": 1}}
+
+
+def test_values_without_a_model_go_on_top_of_the_sample(helm):
+    (ie,) = helm.template(CHART, {"resources": {"gpus": 1}, "engine": {"dtype": "bfloat16"}})
+    sample = yaml.safe_load((ROOT / "manifests" / "samples" / "smollm2-cpu.yaml").read_text())["spec"]
+    assert ie["spec"]["model"] == sample["model"]
+    assert ie["spec"]["resources"] == {**sample["resources"], "gpus": 1}
+    assert ie["spec"]["engine"] == {**sample["engine"], "dtype": "bfloat16"}
 
 
 def test_default_is_the_cpu_smollm2_sample(rendered):
@@ -137,3 +150,14 @@ def test_notes_show_how_to_reach_it(helm):
     assert "kubectl -n demo port-forward svc/tiny 8000:8000 50051:50051" in notes
     assert '"model": "smollm2-135m"' in notes
     assert "CPU only" in notes
+
+
+@pytest.mark.parametrize("sample", sorted(p.name for p in (ROOT / "manifests" / "samples").glob("*.yaml")))
+def test_every_sample_can_be_installed_through_the_chart(helm, validate, sample):
+    """The generated values schema is no stricter than the CRD: each operator sample, given as
+    values, renders back to the same InferenceEngine."""
+    (ie,) = [d for d in yaml.safe_load_all((ROOT / "manifests" / "samples" / sample).read_text()) if d]
+    values = {**ie["spec"], "name": ie["metadata"]["name"]}
+    (rendered,) = helm.template(CHART, values, release="r")
+    assert rendered["spec"] == ie["spec"] and rendered["metadata"]["name"] == ie["metadata"]["name"]
+    validate(rendered)

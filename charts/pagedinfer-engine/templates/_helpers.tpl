@@ -20,7 +20,31 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: paged-infer
 {{- end }}
 
-{{/* The spec: every value except the metadata keys (the schema admits only spec fields). */}}
+{{/* The CPU sample, manifests/samples/smollm2-cpu.yaml (a test keeps them equal). */}}
+{{- define "pagedinfer-engine.sampleSpec" -}}
+model:
+  uri: builtin://smollm2-135m
+  servedName: smollm2-135m
+replicas: 1
+resources:
+  gpus: 0
+  cpu: "2"
+  memory: 4Gi
+engine:
+  maxNumSeqs: 16
+  maxModelLen: 2048
+lifecycle:
+  startupTimeoutSeconds: 300
+{{- end }}
+
+{{/*
+The spec: every value except the metadata keys (the schema admits only spec fields). Without
+model.uri, the values go on top of the CPU sample; with it, they are the whole spec.
+*/}}
 {{- define "pagedinfer-engine.spec" -}}
-{{- toYaml (omit .Values "name" "labels" "annotations" "global") }}
+{{- $spec := omit .Values "name" "labels" "annotations" "global" }}
+{{- if not (dig "model" "uri" "" $spec) }}
+{{- $spec = mergeOverwrite (include "pagedinfer-engine.sampleSpec" . | fromYaml) $spec }}
+{{- end }}
+{{- toYaml $spec }}
 {{- end }}
