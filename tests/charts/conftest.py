@@ -20,9 +20,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-CHARTS = ROOT / "charts"
-OPERATOR_CHART = CHARTS / "pagedinfer-operator"
-ENGINE_CHART = CHARTS / "pagedinfer-engine"
 CRD_FILE = ROOT / "manifests" / "crd" / "inferenceengines.serving.pagedinfer.io.yaml"
 # Oldest Kubernetes the charts support (kubeVersion >=1.30: the operator's engine pods use the
 # preStop `sleep` action) and the newest schemas bundled.
@@ -231,13 +228,3 @@ class Validator:
 @pytest.fixture(scope="session")
 def validate() -> Validator:
     return Validator()
-
-
-def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-@pytest.fixture(scope="session")
-def find():
-    """`find(objs, kind)` -> the rendered objects of one kind."""
-    return by_kind
