@@ -1,8 +1,9 @@
 """The native paged KV-cache core side by side with the pure-Python reference (same operations).
 
-1. Op mix: a recorded scheduler-like workload (admit prompts sharing system prompts, decode
-   appends, mark_computed per step, n>1 forks, speculative append + rollback, finish/free) replayed
-   on both managers; calls per second. Per-call floor: a trivial binding call (has_sequence).
+1. Op mix: a recorded scheduler-like workload (48 running sequences; admit prompts sharing system
+   prompts, decode appends, mark_computed per step, n>1 forks, speculative append + rollback,
+   finish/free) replayed on both managers in two call styles (per call with lists, batched with
+   arrays; see record_op_mix); CPU time of the whole replay. Floor: a trivial binding call.
 2. build_batch for one decode step (num_new = 1) and one chunked-prefill step (num_new = 256) of
    256 and 1024 sequences with 512-4096 tokens, plus 1024 x 4096; block size 16. Floor: copying
    the block-table bytes with NumPy.
@@ -38,8 +39,12 @@ IMPLS = {"native": _native.BlockManager, "python_ref": ref.BlockManager}
 
 # ---- op mix ----------------------------------------------------------------------------------
 def record_op_mix(num_steps: int, batched: bool, seed: int = 0) -> list[tuple[str, tuple]]:
-    """A deterministic scheduler-like call sequence (never runs out of blocks). With `batched`,
-    each step's decode appends are one append_tokens_batch call instead of one call each."""
+    """A deterministic scheduler-like call sequence (never runs out of blocks).
+
+    per-call style (today's KVCacheManager): token ids as Python lists, one append per sequence.
+    batched style (an array-based engine): token ids as int32 NumPy arrays and each step's decode
+    appends in one append_tokens_batch call. Same workload, same resulting state.
+    """
     rng = random.Random(seed)
     system_prompts = [[rng.randrange(32000) for _ in range(256)] for _ in range(4)]
     ops: list[tuple[str, tuple]] = []
@@ -49,7 +54,7 @@ def record_op_mix(num_steps: int, batched: bool, seed: int = 0) -> list[tuple[st
     def admit() -> None:
         nonlocal next_id
         prompt = rng.choice(system_prompts) + [rng.randrange(32000) for _ in range(rng.randrange(16, 512))]
-        ops.append(("add_sequence", (next_id, prompt)))
+        ops.append(("add_sequence", (next_id, np.array(prompt, np.int32) if batched else prompt)))
         lengths[next_id] = len(prompt)
         next_id += 1
 
@@ -245,7 +250,7 @@ def plot(result: dict, path: Path) -> None:
         f"op mix ({mixes['per_call']['final_stats']['num_sequences']} live seqs at end): {ratios}", fontsize=9
     )
     rows = result["build_batch"]
-    labels = [f"{r['case']}\n{r['step']}" for r in rows]
+    labels = [f"{r['case']}\n{r['step']}".replace("x[", "x\n[") for r in rows]
     x = np.arange(len(rows))
     for offset, key, name in (
         (-0.27, "native_us", "native"),
@@ -262,6 +267,16 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -275,7 +290,7 @@ def main() -> None:
         mix["speedup"] = mix["python_ref"]["cpu_seconds"] / mix["native"]["cpu_seconds"]
     batches = bench_build_batch(batch_cases(args.quick), min_s)
     machine = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu_name(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
     }
