@@ -136,6 +136,8 @@ def _register_owned(registry: kopf.OperatorRegistry, kind: res.Resource) -> None
         if not found:
             return  # its CR is gone: garbage collection removes it, nothing to repair
         ctx = _ctx(memo)
+        if type != "DELETED" and ctx.is_own_echo(kind.kind, body):
+            return  # the watch echo of our own write: nothing changed since
         engine = found[-1]
         if type == "DELETED":
             engine = await ctx.client.get(res.INFERENCE_ENGINE, namespace, owner)

@@ -60,12 +60,24 @@ class OperatorContext:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     scraper: Scraper = field(default_factory=Scraper)
     engines: dict[tuple[str, str], EngineState] = field(default_factory=dict)
+    # resourceVersion of each owned object as our last write left it: its watch event is our own
+    # echo and needs no reconcile (a later version is someone else's change: drift or status).
+    own_versions: dict[tuple[str, str, str], str] = field(default_factory=dict)
+
+    def is_own_echo(self, kind: str, body: Any) -> bool:
+        meta_ = body.get("metadata") or {}
+        key = (kind, meta_.get("namespace", ""), meta_.get("name", ""))
+        version = meta_.get("resourceVersion")
+        return version is not None and self.own_versions.get(key) == version
 
     def state(self, ref: meta.EngineRef) -> EngineState:
         return self.engines.setdefault((ref.namespace, ref.name), EngineState())
 
     def forget(self, namespace: str, name: str) -> None:
         self.engines.pop((namespace, name), None)
+        owned_names = {name, meta.model_cache_name(meta.EngineRef(name, namespace, ""))}
+        for key in [k for k in self.own_versions if k[1] == namespace and k[2] in owned_names]:
+            del self.own_versions[key]
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,12 @@ async def _apply_all(
         actions[item.resource.kind] = action
         if action is not applier.Action.NONE:
             ctx.metrics.writes.labels(item.resource.kind, action.value).inc()
+            key = (item.resource.kind, inp.ref.namespace, item.name)
+            version = ((live or {}).get("metadata") or {}).get("resourceVersion")
+            if version is None:
+                ctx.own_versions.pop(key, None)
+            else:
+                ctx.own_versions[key] = version
         if item.resource is res.DEPLOYMENT:
             deployment = live
     return actions, deployment, extra
