@@ -11,6 +11,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_tiny import build_hf_model, save_hf_model  # noqa: E402
 
+from pagedinfer.engine.models import loader as loader_module  # noqa: E402
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fail the test if the loader gets as far as building (allocating) a model."""
+
+    def forbidden(_architecture):
+        raise AssertionError("model allocated before validation finished")
+
+    monkeypatch.setattr(loader_module, "model_class", forbidden)
+
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):

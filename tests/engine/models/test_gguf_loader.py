@@ -66,7 +66,7 @@ def test_metadata_config(tmp_path):
     assert config.tie_word_embeddings and config.max_position_embeddings == 512
 
 
-def test_unsupported_quant_type_is_named(tmp_path):
+def test_unsupported_quant_type_is_named(tmp_path, no_allocation):
     hf = build_hf_model("llama-gqa")
     path = write_gguf(
         tmp_path / "bad.gguf", hf, extra={"blk.0.attn_extra.weight": np.zeros((4, 8), np.int32)}
@@ -77,7 +77,7 @@ def test_unsupported_quant_type_is_named(tmp_path):
         load_model(str(path), "cpu", torch.float32)
 
 
-def test_unknown_tensor_is_rejected(tmp_path):
+def test_unknown_tensor_is_rejected(tmp_path, no_allocation):
     hf = build_hf_model("llama-gqa")
     odd = write_gguf(tmp_path / "odd.gguf", hf, extra={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
     with pytest.raises(UnsupportedModelError, match="unexpected tensor 'blk.0.attn_sinks.weight'"):
@@ -101,14 +101,14 @@ def test_llama31_rope_freqs_tensor_matches_hf_llama3_scaling(tmp_path):
         load_model(str(bad), "cpu", torch.float32)
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(tmp_path, no_allocation):
     hf = build_hf_model("llama-gqa")
     path = write_gguf(tmp_path / "phi.gguf", hf, arch="phi3")
     with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'phi3'"):
         load_model(str(path), "cpu", torch.float32)
 
 
-def test_truncated_file(tmp_path):
+def test_truncated_file(tmp_path, no_allocation):
     hf = build_hf_model("llama-gqa")
     path = write_gguf(tmp_path / "cut.gguf", hf)
     data = path.read_bytes()

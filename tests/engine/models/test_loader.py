@@ -11,7 +11,6 @@ from hf_tiny import hf_logits
 from safetensors.torch import load_file, save_file
 
 from pagedinfer._native import BlockManager
-from pagedinfer.engine.models import loader as loader_module
 from pagedinfer.engine.models.builtin import CheckpointFormat, resolve_model_uri
 from pagedinfer.engine.models.errors import ModelLoadError, UnsupportedModelError
 from pagedinfer.engine.models.loader import load_model, resolve_dtype
@@ -29,16 +28,6 @@ def _logits(folder, tokens):
     runner = PagedRunner(loaded.model, BlockManager(8, 16, True), 8, 16)
     runner.add(0, tokens)
     return runner.step([0], [len(tokens)])
-
-
-@pytest.fixture
-def no_allocation(monkeypatch):
-    """Fail the test if the loader gets as far as building (allocating) a model."""
-
-    def forbidden(_architecture):
-        raise AssertionError("model allocated before validation finished")
-
-    monkeypatch.setattr(loader_module, "model_class", forbidden)
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny_checkpoint, tmp_path):
@@ -155,6 +144,21 @@ def test_hf_uri_from_local_cache_offline(tiny_checkpoint, tmp_path):
         load_model(
             "hf://tiny-org/absent", "cpu", "float32", download_dir=tmp_path / "hub", local_files_only=True
         )
+
+
+def test_hf_gguf_file_uri_from_local_cache(tmp_path):
+    from gguf_tiny import write_gguf
+    from hf_tiny import build_hf_model
+
+    model_dir = tmp_path / "repo"
+    model_dir.mkdir()
+    write_gguf(model_dir / "tiny-q8.gguf", build_hf_model("llama-gqa"))
+    _fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-gguf", model_dir)
+    uri = "hf://tiny-org/tiny-gguf/tiny-q8.gguf@main"
+    loaded = load_model(uri, "cpu", "float32", download_dir=tmp_path / "hub", local_files_only=True)
+    assert loaded.source_path.name == "tiny-q8.gguf" and loaded.model_config.num_layers == 2
+    with pytest.raises(ModelLoadError, match="must be a .gguf"):
+        resolve_model_uri("hf://tiny-org/tiny-gguf/weights.bin")
 
 
 def test_resolution_kinds(tiny_checkpoint):
