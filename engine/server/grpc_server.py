@@ -186,6 +186,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             async for out in stream:
                 yield response_to_pb(out)
+        except Exception as e:  # e.g. the engine stopped mid-stream: a status, not UNKNOWN
+            await _abort_with(context, e)
         finally:
             await stream.aclose()
 

@@ -14,8 +14,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedinfer.engine.outputs import CompletionDelta, RequestOutput, RequestTiming, SampleLogprobs, Usage
+from pagedinfer.engine.server.errors import classify
 from pagedinfer.engine.server.generation import GenerationService, GenerationStream, finish_reason_value
-from pagedinfer.engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedinfer.engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
 def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
@@ -229,9 +230,12 @@ class OpenAIRoutes:
                             "timing": timing_dict(out.timing),
                         }
                     )
-            yield "data: [DONE]\n\n"
+        except Exception as e:  # headers are sent: the error travels in the stream, OpenAI-style
+            err = classify(e)
+            yield _sse(error_body(err.message, err.kind.value, code=err.http_status))
         finally:
             await stream.aclose()
+        yield "data: [DONE]\n\n"
 
     async def _chat_chunks(
         self, stream: GenerationStream, rid: str, created: int, include_usage: bool
@@ -263,9 +267,12 @@ class OpenAIRoutes:
                             "timing": timing_dict(out.timing),
                         }
                     )
-            yield "data: [DONE]\n\n"
+        except Exception as e:  # headers are sent: the error travels in the stream, OpenAI-style
+            err = classify(e)
+            yield _sse(error_body(err.message, err.kind.value, code=err.http_status))
         finally:
             await stream.aclose()
+        yield "data: [DONE]\n\n"
 
     @staticmethod
     def _tail(out: RequestOutput, include_usage: bool) -> dict:
