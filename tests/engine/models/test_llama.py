@@ -5,7 +5,8 @@ Tiny random Llama / Llama-3-rope / Qwen2 / Mistral checkpoints are saved with sa
 manager's slot mappings and block tables, and every computed row is compared against HF's
 full-sequence forward (causality makes row p depend only on tokens <= p).
 
-Tolerances: fp32 max |diff| <= 1e-4 on logits of magnitude ~5; bf16 (vs HF fp32) <= 0.2 (measured 0.10).
+Tolerances: fp32 max |diff| <= 1e-4 on logits of magnitude ~5; against HF fp32, bf16 <= 0.2
+(measured 0.10) and fp16 <= 0.03 (measured 0.011).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedinfer.engine.models.testing import PagedRunner
 
 FP32_ATOL = 1e-4
 BF16_ATOL = 0.2
+FP16_ATOL = 0.03
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 VOCAB = 384
@@ -111,16 +113,23 @@ def test_speculative_style_multi_token_verification(tiny_checkpoint):
     _assert_close(logits[4:], hf_logits(hf, b)[8:], FP32_ATOL)
 
 
-def test_bfloat16_close_to_hf_fp32(tiny_checkpoint):
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, BF16_ATOL), (torch.float16, FP16_ATOL)], ids=str)
+def test_half_precision_close_to_hf_fp32(tiny_checkpoint, dtype, atol):
     hf, folder = tiny_checkpoint("llama-gqa")
-    runner = _runner(folder, torch.bfloat16)
-    assert runner.model.dtype == torch.bfloat16 and runner.kv_caches[0][0].dtype == torch.bfloat16
+    runner = _runner(folder, dtype)
+    assert runner.model.dtype == dtype and runner.kv_caches[0][0].dtype == dtype
     seqs = [_tokens(n, seed=40 + n) for n in (23, 9)]
     for seq_id, seq in enumerate(seqs):
         runner.add(seq_id, seq)
     logits = runner.step([0, 1], [23, 9])
     assert logits.dtype == torch.float32
-    _assert_close(logits, torch.cat([hf_logits(hf, s) for s in seqs]), BF16_ATOL)
+    _assert_close(logits, torch.cat([hf_logits(hf, s) for s in seqs]), atol)
+    runner.append(0, 7)
+    runner.append(1, 8)
+    decode = runner.step([0, 1], [1, 1])
+    _assert_close(
+        decode, torch.stack([hf_logits(hf, s + [t])[-1] for s, t in zip(seqs, (7, 8), strict=True)]), atol
+    )
 
 
 def test_forward_rejects_wrong_number_of_caches(tiny_checkpoint):
@@ -136,7 +145,7 @@ def test_forward_rejects_wrong_number_of_caches(tiny_checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_cuda_bfloat16_close_to_hf_fp32(tiny_checkpoint, backend):
-    """GPU counterpart of test_bfloat16_close_to_hf_fp32 (same tolerance), per attention backend."""
+    """GPU counterpart of test_half_precision_close_to_hf_fp32 (same tolerance), per attention backend."""
     hf, folder = tiny_checkpoint("llama-gqa")
     loaded = load_model(str(folder), "cuda", torch.bfloat16)
     runner = PagedRunner(loaded.model, BlockManager(NUM_BLOCKS, BLOCK_SIZE, True), NUM_BLOCKS, BLOCK_SIZE)
