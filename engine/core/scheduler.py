@@ -135,8 +135,9 @@ class Scheduler:
         copies, self._pending_copies = self._pending_copies, []
         preempted: list[int] = []
         self._preempt_for_priority(preempted)
+        num_priority_preemptions = len(preempted)
         budget = self._schedule_running(budget, scheduled, copies, preempted)
-        if not preempted:
+        if len(preempted) == num_priority_preemptions:  # running ones fit: admit more
             self._schedule_waiting(budget, scheduled)
         layout = None
         if scheduled:

@@ -345,3 +345,25 @@ def test_no_block_leak_after_random_workload(backend):
     assert s.num_preemptions_total > 0
     assert s.kv.num_free_blocks == s.kv.num_blocks
     assert not s._by_seq_id and not s._by_request_id
+
+
+def test_higher_priority_arrival_preempts_lower_priority_running(backend):
+    # 8 blocks of 4 slots: the low-priority request holds 6; the urgent one needs 5.
+    s = make_scheduler(backend, num_blocks=8, block_size=4, max_num_seqs=4)
+    low = make_request(1, prompt_len=22, max_tokens=8, priority=0)
+    s.add_request(low)
+    step(s)
+    urgent = make_request(2, prompt_len=18, max_tokens=3, priority=5)
+    s.add_request(urgent)
+    out = step(s)
+    assert out.preempted_seq_ids == [1] and low.status is RequestStatus.PREEMPTED
+    assert [x.seq_id for x in out.sequences] == [2]
+    # An equal-priority arrival never preempts: it waits.
+    s2 = make_scheduler(backend, num_blocks=8, block_size=4)
+    s2.add_request(make_request(1, prompt_len=22, max_tokens=50, priority=1))
+    step(s2)
+    s2.add_request(make_request(2, prompt_len=18, max_tokens=3, priority=1))
+    assert step(s2).preempted_seq_ids == [] and s2.num_waiting == 1
+    run_to_completion(s)
+    assert low.num_output_tokens == 8 and low.finish_reason is FinishReason.LENGTH
+    assert s.kv.num_free_blocks == 8
