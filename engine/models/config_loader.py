@@ -84,10 +84,17 @@ def _check_hf_features(config: Mapping[str, Any], architecture: str, source: str
         raise UnsupportedModelError(source, "attention_bias=true (with an o_proj bias) is not supported")
     if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError(source, "partial rotary embeddings are not supported")
+
+
+def _max_positions(config: Mapping[str, Any], architecture: str, source: str) -> int:
+    """max_position_embeddings, capped at an active sliding window: attention here is global, which
+    equals windowed attention only while sequences stay within the window."""
+    limit = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", architecture == "mistral")
-    if window and uses_window and window < int(config.get("max_position_embeddings", 0)):
-        logger.warning("%s: sliding_window=%s is ignored; attention is global", source, window)
+    if window and config.get("use_sliding_window", architecture == "mistral") and int(window) < limit:
+        logger.warning("%s: sliding_window=%s: max_position_embeddings capped from %d", source, window, limit)
+        return int(window)
+    return limit
 
 
 def model_config_from_hf(
@@ -110,7 +117,7 @@ def model_config_from_hf(
             num_heads=num_heads,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(config.get("head_dim") or hidden_size // num_heads),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_max_positions(config, architecture, source),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

@@ -45,6 +45,18 @@ def test_llama31_v4_style_config():
     assert not config.attention_bias and not config.tie_word_embeddings
 
 
+def test_sliding_window_caps_the_context():
+    mistral = {
+        **LLAMA31,
+        "architectures": ["MistralForCausalLM"],
+        "rope_scaling": None,
+        "sliding_window": 4096,
+    }
+    assert model_config_from_hf(mistral, "config.json").max_position_embeddings == 4096
+    qwen = {**mistral, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
+    assert model_config_from_hf(qwen, "config.json").max_position_embeddings == 131072
+
+
 def test_qwen2_has_qkv_bias_and_unknown_archs_fail():
     qwen = {**LLAMA31, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None}
     assert model_config_from_hf(qwen, "config.json").attention_bias
