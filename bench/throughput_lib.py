@@ -57,16 +57,17 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
         running = core.scheduler.running
         kv_tokens = sum(r.num_tokens for r in running)
         batch = len(running)
+        # Decode-only: every running sequence brings exactly its last token and nobody waits.
+        pure = (
+            batch > 0
+            and not core.scheduler.waiting
+            and all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
+        )
         t0 = time.perf_counter()
         for out in core.step():
             for d in out.deltas:
                 tokens[out.request_id].extend(d.token_ids)
         ms = (time.perf_counter() - t0) * 1e3
-        pure = (
-            batch > 0
-            and all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
-            and not core.scheduler.waiting
-        )
         steps.append({"ms": ms, "batch": batch, "kv_tokens": kv_tokens, "pure_decode": pure})
     seconds = time.perf_counter() - start
     return EngineRun(
