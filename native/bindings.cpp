@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -127,8 +128,10 @@ struct PyBatchArrays {
 };
 
 PyBatchArrays wrap(pi::BatchArrays&& batch) {
-  auto* owned = new pi::BatchArrays(std::move(batch));
+  auto holder = std::make_unique<pi::BatchArrays>(std::move(batch));
+  pi::BatchArrays* owned = holder.get();
   py::capsule owner(owned, [](void* p) { delete static_cast<pi::BatchArrays*>(p); });
+  holder.release();  // the capsule owns it now
   auto view = [&](const pi::Int32Buffer& buf, std::vector<py::ssize_t> shape) {
     return py::array(py::dtype::of<int32_t>(), std::move(shape), buf.data.get(), owner);
   };
