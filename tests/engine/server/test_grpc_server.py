@@ -71,7 +71,7 @@ def test_tokenize_and_model_info(stub) -> None:
 
 def test_cancel_mid_stream_frees_kv_blocks(stub, server) -> None:
     call = stub.Generate(
-        pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+        pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=990, ignore_eos=True))
     )
     first = next(call)
     assert first.deltas
@@ -83,9 +83,9 @@ def test_cancel_mid_stream_frees_kv_blocks(stub, server) -> None:
 
 
 def test_deadline_aborts_engine_request(stub, server) -> None:
-    request = pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+    request = pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=990, ignore_eos=True))
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(request, timeout=1.0))
+        list(stub.Generate(request, timeout=0.3))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     server.wait_idle()
 

@@ -142,7 +142,7 @@ def test_metrics_move_after_requests(client, model, server) -> None:
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(server, model) -> None:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 990, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.http}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()

@@ -32,7 +32,7 @@ async def test_two_concurrent_generations_and_a_cancel(server) -> None:
         )
         await ws.send(
             json.dumps(
-                {"type": "generate", "id": "b", "prompt": "Count:", "max_tokens": 300, "ignore_eos": True}
+                {"type": "generate", "id": "b", "prompt": "Count:", "max_tokens": 990, "ignore_eos": True}
             )
         )
         texts, seen_b, events = {"a": "", "b": ""}, 0, {}
@@ -58,7 +58,7 @@ async def test_two_concurrent_generations_and_a_cancel(server) -> None:
 async def test_disconnect_mid_generation_frees_kv_blocks(server) -> None:
     ws = await _connect(server)
     await ws.send(
-        json.dumps({"type": "generate", "id": "x", "prompt": "Go", "max_tokens": 300, "ignore_eos": True})
+        json.dumps({"type": "generate", "id": "x", "prompt": "Go", "max_tokens": 990, "ignore_eos": True})
     )
     assert (await _recv(ws))["type"] == "delta"
     await ws.close()
