@@ -16,19 +16,25 @@ after another (same GGUF weights, greedy, equal lengths).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import random
-import statistics
 import sys
-import time
-from pathlib import Path
 
-import torch
+# Python puts this script's folder first on sys.path, where a sibling named like a stdlib module
+# (bench/operator.py) would shadow it; import the standard library before it can.
+_BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _BENCH_DIR]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.append(_BENCH_DIR)  # last, for throughput_lib only
 
 from throughput_lib import (  # noqa: E402
     EngineRun,
