@@ -10,6 +10,7 @@ A rejection sampler with draft probabilities can replace `verifier`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +30,8 @@ from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets
 from pagedinfer.engine.worker.input_batch import InputBatch
 from pagedinfer.kernels import ops
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,12 @@ class ModelRunner:
             default_buckets(self.config.max_num_seqs),
             self.config.max_model_len,
         )
-        graphs.capture()
+        try:
+            graphs.capture()
+        except RuntimeError:  # e.g. a backend that syncs the host: decode runs eagerly instead
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            torch.cuda.synchronize()
+            return
         self.graphs = graphs
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
