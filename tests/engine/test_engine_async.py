@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -124,3 +125,12 @@ async def test_failed_startup_is_reported(tmp_path):
     with pytest.raises(Exception, match="failed to start"):
         await engine.wait_ready()
     assert engine.startup_phase == "failed" and engine.startup_error
+
+
+async def test_idle_engine_sleeps_instead_of_spinning(tiny_llama_dir):
+    engine = await started(tiny_llama_dir)
+    await collect(engine, [4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+    cpu_before = time.process_time()
+    await asyncio.sleep(0.5)
+    assert time.process_time() - cpu_before < 0.1  # a spinning step loop would burn ~0.5 s
+    await engine.shutdown(1.0)
