@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class ServerProcess:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stop_requested.set)
+                loop.add_signal_handler(sig, self._on_signal, sig)
         http = self._uvicorn()
         http_task = loop.create_task(http.serve(), name="http")
         while not http.started and not http_task.done():
@@ -106,6 +107,12 @@ class ServerProcess:
         progress.cancel()
         await self.shutdown(http, http_task)
         return 0
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stop_requested.is_set():  # a second signal: stop waiting for the drain
+            logger.warning("%s again: exiting without draining", sig.name)
+            os._exit(1)
+        self.stop_requested.set()
 
     async def shutdown(self, http: _Uvicorn, http_task: asyncio.Task) -> None:
         logger.info("shutting down: draining %d in-flight requests", self.handle.num_in_flight)
