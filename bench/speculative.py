@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model", default="builtin://smollm2-135m")
-    parser.add_argument("--draft", default="self:layers=0-7,29", help="draft spec for workload (b)")
+    parser.add_argument("--draft", default="self:layers=0-9,20-29", help="draft spec for workload (b)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=64)

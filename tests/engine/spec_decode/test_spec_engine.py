@@ -54,10 +54,10 @@ def generate(llm, params=GREEDY, ps=None):
     return [o.token_ids for o in llm.generate(prompt_token_ids=ps or prompts(), sampling_params=params)]
 
 
-def attach_draft(llm: LLM, draft_model, k: int = 3) -> SpeculativeDecoder:
+def attach_draft(llm: LLM, draft_model, k: int = 3, num_blocks: int = 128) -> SpeculativeDecoder:
     """Give an engine a draft-model decoder built by hand (any model, no tokenizer check)."""
-    kv = KVCacheManager(128, 4)
-    caches = allocate_kv_caches(draft_model.config, 128, 4, "cpu", torch.float32)
+    kv = KVCacheManager(num_blocks, 4)
+    caches = allocate_kv_caches(draft_model.config, num_blocks, 4, "cpu", torch.float32)
     proposer = DraftModelProposer(draft_model, kv, caches, k, llm.model_config.vocab_size, "reference")
     spec = SpeculativeDecoder(
         SpeculativeConfig(method="draft", num_speculative_tokens=k), proposer, MAX_MODEL_LEN
@@ -191,3 +191,11 @@ def llm_drafts(folder) -> int:
     llm = make_llm(folder, SpeculativeConfig(method="ngram"))
     generate(llm)
     return llm.core.spec_decoder.stats.num_draft_tokens
+
+
+def test_a_full_draft_cache_only_stops_drafting(tiny_llama_dir, baseline):
+    llm = make_llm(tiny_llama_dir)
+    spec = attach_draft(llm, llm.core.runner.model, k=3, num_blocks=8)  # 32 slots for 7 sequences
+    assert generate(llm) == baseline
+    assert spec.stats.num_draft_tokens > 0
+    assert_no_leak(llm)

@@ -1,0 +1,80 @@
+"""Adaptive speculation policy, layer-subset specs and the draft vocabulary check."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pagedinfer.engine.config import SpeculativeConfig
+from pagedinfer.engine.spec_decode.draft_model import DraftModelError, check_same_vocabulary
+from pagedinfer.engine.spec_decode.factory import build_speculative_decoder
+from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
+from pagedinfer.engine.spec_decode.self_draft import parse_layer_ids
+
+
+def test_step_switch_follows_method_and_batch_size():
+    assert not SpeculationPolicy(SpeculativeConfig(method=None)).is_step_enabled(1)
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", max_batch_size=4))
+    assert policy.is_step_enabled(4) and not policy.is_step_enabled(5)
+
+
+def test_low_acceptance_pauses_then_probes_again():
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", min_acceptance_rate=0.3), probe_interval=3)
+    for _ in range(10):
+        assert policy.should_speculate(7)
+        policy.observe(7, 4, 0)
+        if policy._seqs[7].paused_steps_left:
+            break
+    assert [policy.should_speculate(7) for _ in range(3)] == [False, False, True]
+    policy.observe(7, 4, 4)  # the probe succeeds: it keeps speculating
+    assert policy.should_speculate(7) and policy.should_speculate(7)
+    assert policy.should_speculate(99)  # unknown sequences always try
+
+
+def test_high_acceptance_never_pauses():
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", min_acceptance_rate=0.3))
+    for _ in range(50):
+        policy.observe(1, 4, 3)
+        assert policy.should_speculate(1)
+
+
+def test_stats_ratios():
+    stats = SpeculationStats(
+        num_draft_tokens=10, num_accepted_tokens=4, num_verified_sequences=4, num_emitted_tokens=8
+    )
+    assert stats.acceptance_rate == 0.4 and stats.mean_accepted_length == 2.0
+    assert SpeculationStats().acceptance_rate == 0.0
+
+
+def test_parse_layer_ids():
+    assert parse_layer_ids("self:layers=0-2,7", 10) == [0, 1, 2, 7]
+    assert parse_layer_ids("self:first=3", 10) == [0, 1, 2]
+    for bad in ["self:first=10", "self:layers=0-12", "self:layers=a", "self:depth=3", "self:first=0"]:
+        with pytest.raises(ValueError):
+            parse_layer_ids(bad, 10)
+
+
+def _tok(vocab: dict[str, int]):
+    return SimpleNamespace(backend=SimpleNamespace(get_vocab=lambda with_added_tokens=True: dict(vocab)))
+
+
+def test_vocabulary_check():
+    check_same_vocabulary(_tok({"a": 0, "b": 1}), _tok({"a": 0, "b": 1}))
+    with pytest.raises(DraftModelError, match="differs"):
+        check_same_vocabulary(_tok({"a": 0, "b": 1}), _tok({"a": 1, "b": 0}))
+    with pytest.raises(DraftModelError):
+        check_same_vocabulary(_tok({"a": 0}), None)
+
+
+def test_factory_rejects_bad_configuration():
+    kwargs = dict(num_blocks=8, block_size=4, max_model_len=64)
+    assert build_speculative_decoder(SpeculativeConfig(), None, None, **kwargs) is None
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        build_speculative_decoder(SpeculativeConfig(method="medusa"), None, None, **kwargs)
+    with pytest.raises(DraftModelError, match="draft_model"):
+        build_speculative_decoder(SpeculativeConfig(method="draft"), None, None, **kwargs)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        build_speculative_decoder(
+            SpeculativeConfig(method="ngram", num_speculative_tokens=0), None, None, **kwargs
+        )
