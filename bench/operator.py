@@ -128,14 +128,14 @@ async def bulk_create(server: Emulator, client: KubeClient, n: int) -> float:
 async def noop_pass(server: Emulator, ctx: OperatorContext, names: list[str]) -> dict[str, float]:
     """One full reconcile of every CR with nothing to change: writes counted at the API."""
     bodies = [live(server, res.INFERENCE_ENGINE, n) for n in names]
-    writes_before, reads_before = len(server.write_requests()), ctx.client.calls["GET"]
+    writes_before, reads_before = server.num_writes, ctx.client.calls["GET"]
     start = time.perf_counter()
     outcomes = await asyncio.gather(*(reconcile(ctx, b, "bench") for b in bodies))
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
         "reconciles_per_second": len(names) / seconds,
-        "api_writes_per_reconcile": (len(server.write_requests()) - writes_before) / len(names),
+        "api_writes_per_reconcile": (server.num_writes - writes_before) / len(names),
         "reported_writes": sum(o.num_writes for o in outcomes),
         "api_reads_per_reconcile": (ctx.client.calls["GET"] - reads_before) / len(names),
     }
@@ -143,7 +143,7 @@ async def noop_pass(server: Emulator, ctx: OperatorContext, names: list[str]) ->
 
 async def blind_apply_pass(server: Emulator, client: KubeClient, names: list[str]) -> dict[str, float]:
     """The peer habit: PATCH every owned object and the status on every pass, changed or not."""
-    writes_before = len(server.write_requests())
+    writes_before = server.num_writes
     start = time.perf_counter()
 
     async def one(name: str) -> None:
@@ -153,14 +153,16 @@ async def blind_apply_pass(server: Emulator, client: KubeClient, names: list[str
         for item in desired_state(inp):
             if item.body is not None:
                 await client.patch(item.resource, NAMESPACE, item.name, with_last_applied(item.body))
-        await client.patch(res.INFERENCE_ENGINE, NAMESPACE, name, {"status": body["status"]}, subresource="status")
+        await client.patch(
+            res.INFERENCE_ENGINE, NAMESPACE, name, {"status": body["status"]}, subresource="status"
+        )
 
     await asyncio.gather(*(one(n) for n in names))
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
         "reconciles_per_second": len(names) / seconds,
-        "api_writes_per_reconcile": (len(server.write_requests()) - writes_before) / len(names),
+        "api_writes_per_reconcile": (server.num_writes - writes_before) / len(names),
     }
 
 
@@ -168,12 +170,16 @@ async def timer_window(server: Emulator, memo: Any, seconds: float) -> dict[str,
     """Writes while the operator's own resync timer reconciles everything (Kopf's writes included)."""
     counter = memo.ctx.metrics.reconciles
     before_n = sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
-    before_w = len(server.write_requests())
+    before_w = server.num_writes
     await asyncio.sleep(seconds)
     after_n = sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
     reconciles = after_n - before_n
-    writes = len(server.write_requests()) - before_w
-    return {"reconciles": reconciles, "api_writes": writes, "api_writes_per_reconcile": writes / max(reconciles, 1)}
+    writes = server.num_writes - before_w
+    return {
+        "reconciles": reconciles,
+        "api_writes": writes,
+        "api_writes_per_reconcile": writes / max(reconciles, 1),
+    }
 
 
 async def run(engines: int, samples: int) -> dict[str, Any]:
@@ -195,7 +201,9 @@ async def run(engines: int, samples: int) -> dict[str, Any]:
                 ours_after_blind = await noop_pass(server, memo.ctx, names)
             # A second operator process-equivalent with a fast timer: resume, then idle resyncs.
             total = engines + samples
-            async with running_operator(configuration, test_config(resync_seconds=5.0), server=server) as memo2:
+            async with running_operator(
+                configuration, test_config(resync_seconds=5.0), server=server
+            ) as memo2:
                 await asyncio.sleep(3.0)  # resume handlers of every CR
                 timer = await timer_window(server, memo2, 11.0)
                 timer["engines"] = total

@@ -45,6 +45,7 @@ class KubeClient:
         self._base = configuration.host.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
         self.calls: Counter[str] = Counter()  # verb -> count
 
     @property
@@ -58,6 +59,7 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -93,6 +95,8 @@ class KubeClient:
         content_type: str | None = None,
     ) -> Any:
         """One API call; returns the decoded JSON or raises ApiError (status 0: no response)."""
+        if self._closed:
+            raise ApiError(0, f"{method} {path}: the client is closed (operator stopping)", reason="Closed")
         if self._session is None:
             connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=64, force_close=not self._keepalive)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)

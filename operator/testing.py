@@ -81,19 +81,12 @@ class Emulator(kmock.KubernetesEmulator):
 
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
     namespaces: set[str] = attrs.field(factory=lambda: {"default"})  # served at /api/v1/namespaces
-
-    def write_requests(self) -> list[kmock.Request]:
-        """Every object-modifying request served so far (Events included)."""
-        return [
-            r for r in self._requests if str(r.method.value).upper() in ("POST", "PUT", "PATCH", "DELETE")
-        ]
+    num_writes: int = attrs.field(default=0, init=False)  # object-modifying requests served
+    watched: set[str] = attrs.field(factory=set, init=False)  # plurals with a watch-stream opened
 
     def is_watching(self, plural: str) -> bool:
         """Whether a watch-stream on this resource has been opened."""
-        return any(
-            r.action == enums.action.WATCH and r.resource and r.resource.plural == plural
-            for r in self._requests
-        )
+        return plural in self.watched
 
     def _stamp(self) -> str:
         return str(next(self._versions))
@@ -144,6 +137,10 @@ class Emulator(kmock.KubernetesEmulator):
         # observer lists and watches when it serves a set of namespaces.
         if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
             return await self._serve_namespaces(raw_request)
+        # kmock matches each request against its whole request history (O(n) per request): keep
+        # only a short tail so long runs (the benchmark) do not slow down quadratically.
+        if len(self._requests) > 256:
+            del self._requests[:-32]
         return await super().__call__(raw_request)
 
     async def _serve_namespaces(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
@@ -164,6 +161,10 @@ class Emulator(kmock.KubernetesEmulator):
         return response
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.action == enums.action.WATCH:
+            self.watched.add(request.resource.plural)
+        if str(request.method.value).upper() in ("POST", "PUT", "PATCH", "DELETE"):
+            self.num_writes += 1
         if request.resource is not None and isinstance(request.data, (dict, list)):
             if request.action == enums.action.CREATE and isinstance(request.data, dict):
                 request = self._on_create(request)
