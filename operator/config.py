@@ -23,6 +23,7 @@ class OperatorConfig:
     cluster_domain: str = "cluster.local"
     metrics_port: int = 8080  # the operator's own /metrics and /healthz; 0 disables
     max_backoff_seconds: float = 60.0
+    max_concurrent_reconciles: int = 8  # across all CRs: bounds the load on the API server
     namespaces: tuple[str, ...] = field(default_factory=tuple)  # empty: all namespaces
     run_as_user: int = 1000
 
@@ -41,5 +42,6 @@ class OperatorConfig:
             enable_stats=get("ENABLE_STATS", "1") not in ("0", "false", "False"),
             cluster_domain=get("CLUSTER_DOMAIN", base.cluster_domain),
             metrics_port=int(get("METRICS_PORT", base.metrics_port)),
+            max_concurrent_reconciles=int(get("MAX_CONCURRENT_RECONCILES", base.max_concurrent_reconciles)),
             namespaces=tuple(ns.strip() for ns in namespaces),
         )

@@ -63,6 +63,12 @@ class OperatorContext:
     # resourceVersion of each owned object as our last write left it: its watch event is our own
     # echo and needs no reconcile (a later version is someone else's change: drift or status).
     own_versions: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    workers: asyncio.Semaphore | None = None  # max_concurrent_reconciles, made on first use
+
+    def slot(self) -> asyncio.Semaphore:
+        if self.workers is None:
+            self.workers = asyncio.Semaphore(self.config.max_concurrent_reconciles)
+        return self.workers
 
     def is_own_echo(self, kind: str, body: Any) -> bool:
         meta_ = body.get("metadata") or {}
@@ -111,8 +117,8 @@ async def reconcile(ctx: OperatorContext, body: Any, trigger: str) -> Outcome:
         # Being deleted: garbage collection removes the owned objects; recreating them would race it.
         return Outcome({}, False)
     state = ctx.state(ref)
-    started = time.perf_counter()
-    async with state.lock:
+    async with state.lock, ctx.slot():
+        started = time.perf_counter()  # the work itself, not the wait for a slot
         try:
             outcome = await _reconcile(ctx, ref, body, state)
         except Exception as exc:
