@@ -145,8 +145,13 @@ async def blind_apply_pass(server: Emulator, client: KubeClient, names: list[str
     """The peer habit: PATCH every owned object and the status on every pass, changed or not."""
     writes_before = server.num_writes
     start = time.perf_counter()
+    slots = asyncio.Semaphore(test_config().max_concurrent_reconciles)  # same concurrency as ours
 
     async def one(name: str) -> None:
+        async with slots:
+            await blind_reconcile(name)
+
+    async def blind_reconcile(name: str) -> None:
         body = live(server, res.INFERENCE_ENGINE, name)
         ref = EngineRef.from_body(body)
         inp = RenderInput(ref, parse_spec(body), test_config())
@@ -285,7 +290,8 @@ def main() -> None:
     parser.add_argument("--latency-samples", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS / "operator.json")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.ERROR)
     result = asyncio.run(run(args.engines, args.latency_samples))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
