@@ -22,6 +22,7 @@ from pagedinfer.operator import resources as res
 from pagedinfer.operator.builders.meta import CONFIG_HASH_ANNOTATION
 from pagedinfer.operator.config import OperatorConfig
 from pagedinfer.operator.crd import build_crd
+from pagedinfer.operator.errors import ApiError
 from pagedinfer.operator.events import EVENT
 from pagedinfer.operator.k8s import KubeClient, load_configuration
 from pagedinfer.operator.reconcile import reconcile
@@ -119,9 +120,14 @@ async def api(request: pytest.FixtureRequest) -> AsyncIterator[Api]:
     async with KubeClient(configuration) as client:
         ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
         await client.request("POST", "/api/v1/namespaces", body=ns)
-        await client.request(
-            "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=build_crd()
-        )
+        try:
+            await client.request(
+                "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=build_crd()
+            )
+        except ApiError as exc:
+            if exc.status != 409:  # already installed is fine
+                raise
+        await eventually(lambda: _crd_served(client, namespace), timeout=30)
         try:
             yield Api(client, configuration, namespace, None)
         finally:
@@ -407,6 +413,14 @@ async def test_live_stats_from_pod_metrics(api: Api, unused_tcp_port: int):
             }
     finally:
         await runner.cleanup()
+
+
+async def _crd_served(client: KubeClient, namespace: str) -> bool:
+    try:
+        await client.list(res.INFERENCE_ENGINE, namespace, "")
+    except ApiError:
+        return False
+    return True
 
 
 def _cond(status: dict[str, Any], kind: str) -> dict[str, Any]:
