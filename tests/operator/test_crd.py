@@ -13,7 +13,8 @@ from typing import Any
 import pydantic
 import pytest
 import yaml
-from crd_tools import all_rules, apply_defaults, cel_violations, schema_errors
+from operator_crd_tools import all_rules, apply_defaults, cel_violations, schema_errors
+from operator_render_tools import FULL_SPEC
 
 from pagedinfer.operator.crd import CRD_RELPATH, build_crd, render_crd_yaml
 from pagedinfer.operator.spec import InferenceEngineSpec
@@ -21,54 +22,6 @@ from pagedinfer.operator.spec import InferenceEngineSpec
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC_SCHEMA = SCHEMA["properties"]["spec"]
-
-FULL_SPEC: dict[str, Any] = {
-    "model": {
-        "uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct",
-        "servedName": "llama-3-8b",
-        "revision": "main",
-        "tokenSecretRef": {"name": "hf", "key": "token"},
-    },
-    "image": "ghcr.io/pagedinfer/engine:0.1.0",
-    "imagePullPolicy": "Always",
-    "replicas": 2,
-    "resources": {"gpus": 2, "cpu": "8", "memory": "64Gi", "gpuResourceName": "nvidia.com/gpu"},
-    "engine": {
-        "dtype": "bfloat16",
-        "blockSize": 16,
-        "maxNumSeqs": 128,
-        "maxModelLen": 8192,
-        "gpuMemoryUtilization": 0.9,
-        "enablePrefixCaching": True,
-        "tensorParallelSize": 2,
-        "speculative": {"method": "draft", "draftModel": "hf://meta-llama/Llama-3.2-1B", "numTokens": 4},
-        "extraArgs": ["--seed", "1"],
-    },
-    "service": {"type": "ClusterIP", "grpcPort": 50051, "httpPort": 8000},
-    "auth": {"apiKeySecretRef": {"name": "api", "key": "key"}},
-    "autoscaling": {
-        "enabled": True,
-        "minReplicas": 1,
-        "maxReplicas": 4,
-        "metric": "kvCacheUsage",
-        "target": 0.8,
-    },
-    "monitoring": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
-    "scheduling": {
-        "nodeSelector": {"gpu": "h100"},
-        "tolerations": [{"key": "dedicated", "operator": "Exists"}],
-        "affinity": {"nodeAffinity": {}},
-        "priorityClassName": "high",
-        "runtimeClassName": "nvidia",
-    },
-    "modelCache": {"size": "50Gi", "storageClassName": "fast", "accessMode": "ReadWriteMany"},
-    "lifecycle": {
-        "startupTimeoutSeconds": 1200,
-        "preStopSeconds": 5,
-        "drainTimeoutSeconds": 30,
-        "terminationGracePeriodSeconds": 60,
-    },
-}
 
 
 def cr(spec: dict[str, Any], name: str = "engine") -> dict[str, Any]:

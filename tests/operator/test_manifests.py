@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from crd_tools import apply_defaults, cel_violations, schema_errors
+from operator_crd_tools import apply_defaults, cel_violations, schema_errors
 
 from pagedinfer.operator import resources as res
 from pagedinfer.operator.builders.deployment import RenderInput

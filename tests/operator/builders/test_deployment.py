@@ -6,8 +6,7 @@ import copy
 
 import kubernetes_validate
 import pytest
-from render_tools import REF, arg_value, engine_container, pod_spec, render_input
-from test_crd import FULL_SPEC
+from operator_render_tools import FULL_SPEC, REF, arg_value, engine_container, pod_spec, render_input
 
 from pagedinfer.operator.builders.deployment import build_deployment
 from pagedinfer.operator.builders.meta import CONFIG_HASH_ANNOTATION

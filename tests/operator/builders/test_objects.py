@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from render_tools import REF, render_input
-from test_crd import FULL_SPEC
+from operator_render_tools import FULL_SPEC, REF, render_input
 
 from pagedinfer.operator import resources as res
 from pagedinfer.operator.builders.desired import desired_state
