@@ -2,19 +2,12 @@
 writes per no-op reconcile, side by side with a blind-apply reconcile (the peer-operator habit of
 patching every owned object on every pass) and with the mock API's own request rate (the limit).
 
-    .venv/bin/python bench/operator.py [--engines 200] [--latency-samples 20]
+    .venv/bin/python bench/operator_reconcile.py [--engines 200] [--latency-samples 20]
 
 Writes bench/results/operator.json and bench/results/operator.png and prints a summary.
 """
 
 from __future__ import annotations
-
-import sys
-
-# This file is named operator.py: as a script its folder is sys.path[0], where it would shadow
-# the standard library's `operator` for every later import. Drop that entry first.
-if sys.path and sys.path[0].rstrip("/").endswith("bench"):
-    sys.path.pop(0)
 
 import argparse
 import asyncio
