@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -97,15 +98,19 @@ class Timed:
     """Wraps a bound method, summing its wall time (the callee ends in a host sync)."""
 
     def __init__(self, fn) -> None:
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
+        self.fn, self.durations = fn, []
 
     def __call__(self, *args, **kwargs):
         start = time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
+            self.durations.append(time.perf_counter() - start)
+
+    @property
+    def median_s(self) -> float:
+        # Median: the first call of a run also prefills the prompts into the draft cache.
+        return statistics.median(self.durations) if self.durations else 0.0
 
 
 def decode_ms_per_token(run) -> float:
@@ -136,7 +141,7 @@ def measure(llm: LLM, prompts: list[list[int]], max_tokens: int, k: int) -> dict
     mean_emitted = emitted / verifying if verifying else 1.0
     alpha = solve_alpha(mean_emitted, k)
     # c: one draft token's proposer time per step over one plain decode step of the same batch.
-    c = (timer.seconds / max(timer.calls, 1) / k) / (base_step_ms / 1e3)
+    c = (timer.median_s / k) / (base_step_ms / 1e3)
     theory = theoretical_speedup(alpha, k, c)
     base_ms, fast_ms = decode_ms_per_token(base), decode_ms_per_token(fast)
     measured = base_ms / fast_ms
