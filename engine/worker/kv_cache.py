@@ -6,9 +6,11 @@ parallelism each rank holds its share of the KV heads: pass `tp_size` and every 
 per rank (num_kv_heads // tp_size); nothing else changes.
 
 Sizing: an explicit `CacheConfig.num_blocks` wins. On the CPU the budget is
-`CacheConfig.cpu_kv_cache_bytes`. On CUDA it is `gpu_memory_utilization * total` minus what is
-already in use after a profiling forward pass (weights, peak activations, the CUDA context and
-other processes), measured with `torch.cuda` memory statistics.
+`CacheConfig.cpu_kv_cache_bytes`. On CUDA `gpu_memory_utilization` is this instance's share of
+the device (as in vLLM): `utilization * total` minus this process's torch peak after a profiling
+forward pass (weights, peak activations), and never more than what is actually free minus a
+headroom for the CUDA context and graphs. Other processes on the same GPU (a second engine, a
+benchmark peer) therefore shrink the budget only when memory really runs short.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedinfer.engine.config import CacheConfig, ModelConfig
 logger = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+_CUDA_HEADROOM_BYTES = 512 * 2**20  # CUDA graphs, cuBLAS workspaces, allocator slack
 
 
 class KVCacheSizeError(ValueError):
@@ -76,11 +79,14 @@ def _cuda_free_bytes_after(
     if profile is not None:
         profile()  # a forward pass at the largest batch the scheduler will send
         torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # activations of the profile go back to the device
     free, total = torch.cuda.mem_get_info(device)
     torch_peak = torch.cuda.max_memory_allocated(device)
-    # Memory in use that torch's allocator does not account for: CUDA context, NCCL, other processes.
-    non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    budget = int(utilization * total) - torch_peak - max(0, non_torch)
+    # Activations are freed again after the profile: the KV cache may use what they held only up
+    # to the instance's share, and never more than is free now (minus headroom for graphs etc.).
+    activations = torch_peak - torch.cuda.memory_allocated(device)
+    non_torch = (total - free) - torch.cuda.memory_reserved(device)  # context + other processes
+    budget = min(int(utilization * total) - torch_peak, free - activations - _CUDA_HEADROOM_BYTES)
     logger.info(
         "KV budget on %s: %.2f GiB (total %.2f, torch peak %.2f, other %.2f, utilization %.2f)",
         device,
