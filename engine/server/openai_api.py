@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,67 +206,52 @@ class OpenAIRoutes:
     async def _completion_chunks(
         self, stream: GenerationStream, rid: str, created: int, include_usage: bool
     ) -> AsyncIterator[str]:
-        base = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.service.served_model_name,
-        }
         offsets: dict[int, int] = {}
-        try:
-            async for out in stream:
-                for d in out.deltas:
-                    lp = _completion_logprobs(d.logprobs, offsets.get(d.index, 0))
-                    offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-                    fr = finish_reason_value(d.finish_reason) if d.finish_reason is not None else None
-                    choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": fr}
-                    yield _sse({**base, "choices": [choice], **self._tail(out, include_usage)})
-                if out.finished and include_usage:
-                    yield _sse(
-                        {
-                            **base,
-                            "choices": [],
-                            "usage": usage_dict(out.usage),
-                            "timing": timing_dict(out.timing),
-                        }
-                    )
-        except Exception as e:  # headers are sent: the error travels in the stream, OpenAI-style
-            err = classify(e)
-            yield _sse(error_body(err.message, err.kind.value, code=err.http_status))
-        finally:
-            await stream.aclose()
-        yield "data: [DONE]\n\n"
+
+        def choice(d: CompletionDelta) -> dict[str, Any]:
+            lp = _completion_logprobs(d.logprobs, offsets.get(d.index, 0))
+            offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+            return {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": _finish(d)}
+
+        async for chunk in self._sse_chunks(stream, rid, created, include_usage, "text_completion", choice):
+            yield chunk
 
     async def _chat_chunks(
         self, stream: GenerationStream, rid: str, created: int, include_usage: bool
     ) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created}
-        base["model"] = self.service.served_model_name
         started: set[int] = set()
+
+        def choice(d: CompletionDelta) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": d.text}
+            if d.index not in started:
+                started.add(d.index)
+                delta["role"] = "assistant"
+            logprobs = _chat_logprobs(d.logprobs)
+            return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": _finish(d)}
+
+        async for chunk in self._sse_chunks(
+            stream, rid, created, include_usage, "chat.completion.chunk", choice
+        ):
+            yield chunk
+
+    async def _sse_chunks(
+        self,
+        stream: GenerationStream,
+        rid: str,
+        created: int,
+        include_usage: bool,
+        obj: str,
+        choice: Callable[[CompletionDelta], dict[str, Any]],
+    ) -> AsyncIterator[str]:
+        """The SSE framing both streaming endpoints share; `choice` renders one delta."""
+        base = {"id": rid, "object": obj, "created": created, "model": self.service.served_model_name}
         try:
             async for out in stream:
                 for d in out.deltas:
-                    delta: dict[str, Any] = {"content": d.text}
-                    if d.index not in started:
-                        started.add(d.index)
-                        delta["role"] = "assistant"
-                    fr = finish_reason_value(d.finish_reason) if d.finish_reason is not None else None
-                    choice = {
-                        "index": d.index,
-                        "delta": delta,
-                        "logprobs": _chat_logprobs(d.logprobs),
-                        "finish_reason": fr,
-                    }
-                    yield _sse({**base, "choices": [choice], **self._tail(out, include_usage)})
+                    yield _sse({**base, "choices": [choice(d)], **self._tail(out, include_usage)})
                 if out.finished and include_usage:
-                    yield _sse(
-                        {
-                            **base,
-                            "choices": [],
-                            "usage": usage_dict(out.usage),
-                            "timing": timing_dict(out.timing),
-                        }
-                    )
+                    usage = {"usage": usage_dict(out.usage), "timing": timing_dict(out.timing)}
+                    yield _sse({**base, "choices": [], **usage})
         except Exception as e:  # headers are sent: the error travels in the stream, OpenAI-style
             err = classify(e)
             yield _sse(error_body(err.message, err.kind.value, code=err.http_status))
@@ -280,3 +265,7 @@ class OpenAIRoutes:
         if not out.finished:
             return {"usage": None} if include_usage else {}
         return {"timing": timing_dict(out.timing)} | ({"usage": None} if include_usage else {})
+
+
+def _finish(d: CompletionDelta) -> str | None:
+    return finish_reason_value(d.finish_reason) if d.finish_reason is not None else None
