@@ -115,7 +115,7 @@ class AsyncEngine:
 
     @property
     def served_model_name(self) -> str:
-        return self.config.served_model_name or self.config.model
+        return self.config.resolved_served_model_name
 
     # ---- the engine thread ------------------------------------------------------------------
     def _set_phase(self, phase: str) -> None:

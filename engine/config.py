@@ -100,6 +100,18 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
+    @property
+    def resolved_served_model_name(self) -> str:
+        """The name clients put in `model`: the explicit one, else derived from the model URI
+        (`builtin://smollm2-135m` -> `smollm2-135m`, `hf://org/name@rev` -> `org/name`, a path as given).
+        """
+        if self.served_model_name:
+            return self.served_model_name
+        for scheme in ("builtin://", "hf://"):
+            if self.model.startswith(scheme):
+                return self.model.removeprefix(scheme).split("@", 1)[0]
+        return self.model
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -29,12 +29,6 @@ from pagedinfer.engine.server.http_server import build_app
 logger = logging.getLogger("pagedinfer.server")
 
 
-def served_model_name(config: EngineConfig) -> str:
-    """The name clients send as `model`: --served-model-name, else the model URI (as vLLM does;
-    the same rule as AsyncEngine.served_model_name, known here before the engine exists)."""
-    return config.served_model_name or config.model
-
-
 def describe_urls(config: ServerConfig, http_port: int, grpc_port: int) -> str:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     http = f"http://{host}:{http_port}"
@@ -62,7 +56,7 @@ class ServerProcess:
     loader: EngineLoader = default_loader
 
     def __post_init__(self) -> None:
-        name = served_model_name(self.engine_config)
+        name = self.engine_config.resolved_served_model_name
         self.handle = EngineHandle(self.engine_config, self.loader)
         self.metrics = ServingMetrics(name, enable_vllm_metrics=self.server_config.enable_vllm_metrics)
         self.metrics.attach_engine(self.handle.stats, lambda: self.handle.is_ready)

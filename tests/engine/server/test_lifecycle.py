@@ -56,7 +56,7 @@ def _watch_startup(proc) -> list[tuple[int, str]]:
 def _answers_paris(proc) -> None:
     client = openai.OpenAI(base_url=f"{proc.http}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
-    assert model == "builtin://smollm2-135m"
+    assert model == "smollm2-135m"
     out = client.completions.create(
         model=model, prompt="The capital of France is", max_tokens=3, temperature=0
     )
