@@ -121,6 +121,24 @@ install_engine_chart() {
   printf 'inferenceengine.serving.pagedinfer.io/%s\n' "$name"
 }
 
+# deploy_gpu_engine [helm args...]: the shared second half of the GPU setups: monitoring, the
+# operator chart, then $SAMPLE (or the embedded SmolLM2 on one GPU), wait for Ready, smoke test.
+deploy_gpu_engine() {
+  install_monitoring
+  install_operator "$@"
+  local engine
+  if [[ -n $SAMPLE ]]; then
+    engine=$(apply_sample "$SAMPLE")
+  else
+    # The embedded SmolLM2 on one GPU: no model download, runs on any NVIDIA GPU.
+    engine=$(install_engine_chart smollm2-gpu --set resources.gpus=1 --set resources.memory=8Gi \
+      --set engine.dtype=bfloat16)
+  fi
+  wait_ready "$engine"
+  smoke "$engine"
+  log "done: $engine is serving on a GPU (kubectl get ie -n $NAMESPACE)"
+}
+
 # wait_ready RESOURCE: until status.phase is Ready (the operator sets it once every replica is).
 wait_ready() {
   local resource=$1

@@ -31,15 +31,4 @@ if [[ $BUILD_IMAGES == 1 ]]; then
   done
 fi
 
-install_monitoring
-install_operator "$@"  # extra arguments go to helm (e.g. --set operator.allNamespaces=false)
-if [[ -n $SAMPLE ]]; then
-  engine=$(apply_sample "$SAMPLE")
-else
-  # The embedded SmolLM2 on one GPU: no model download, runs on any NVIDIA GPU.
-  engine=$(install_engine_chart smollm2-gpu --set resources.gpus=1 --set resources.memory=8Gi \
-    --set engine.dtype=bfloat16)
-fi
-wait_ready "$engine"
-smoke "$engine"
-log "done: $engine is serving on a GPU (kubectl get ie -n $NAMESPACE)"
+deploy_gpu_engine "$@"  # extra arguments go to helm (e.g. --set operator.allNamespaces=false)
