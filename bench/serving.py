@@ -5,11 +5,13 @@ tokens/s, and the serving overhead ratio: server tokens/s / offline tokens/s (ta
 
     .venv/bin/python bench/serving.py                      # CPU, SmolLM2, N = 1,2,4,8
     python3 bench/serving.py --model hf://... --device cuda --concurrency 1,8,32,128 --max-tokens 128
+    python3 bench/serving.py --device cuda --random-model llama-8b --concurrency 1,16,64  # bench/run_gpu.sh
 
 Each client runs a closed loop of --requests-per-client requests (prompt of --prompt-len token
 ids, greedy, ignore_eos, exactly --max-tokens output tokens). The server and the offline engine
 are both alive, and --rounds interleave the three modes at each N (a shared machine's noise
-hits all alike). Writes JSON + PNG + a summary to --out.
+hits all alike). gRPC/HTTP clients run in --client-procs processes of their own
+(bench/serving_clients.py), never on the server's GIL. Writes JSON + PNG + a summary to --out.
 """
 
 from __future__ import annotations
@@ -29,13 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-
-
-@dataclass
-class RequestResult:
-    ttft: float  # send -> first token, seconds
-    itls: list[float]  # gaps between token-carrying messages, per token
-    num_tokens: int
+from serving_clients import ClientPool, RequestResult, Timer
 
 
 @dataclass
@@ -78,68 +74,9 @@ def summarize(mode: str, n: int, results: list[RequestResult], wall: float) -> L
     )
 
 
-class _Timer:
-    """Client-side token timing of one streamed request."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.last: float | None = None
-        self.ttft = float("nan")
-        self.itls: list[float] = []
-        self.num_tokens = 0
-
-    def tokens(self, k: int) -> None:
-        if k <= 0:
-            return
-        now = time.perf_counter()
-        if self.last is None:
-            self.ttft = now - self.start
-        else:
-            self.itls.extend([(now - self.last) / k] * k)
-        self.last = now
-        self.num_tokens += k
-
-    def result(self) -> RequestResult:
-        return RequestResult(self.ttft, self.itls, self.num_tokens)
-
-
-# ---- clients ----------------------------------------------------------------------------------
-async def http_request(
-    client: httpx.AsyncClient, url: str, prompt_ids: list[int], max_tokens: int
-) -> RequestResult:
-    body = {
-        "prompt": prompt_ids,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    body["stream_options"] = {"include_usage": True}
-    timer = _Timer()
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"]:
-                timer.tokens(1)  # one SSE chunk per engine output (one step) of this request
-            elif chunk.get("usage"):
-                timer.num_tokens = chunk["usage"]["completion_tokens"]  # exact count for tokens/s
-    return timer.result()
-
-
-async def grpc_request(stub, pb, prompt_ids: list[int], max_tokens: int) -> RequestResult:
-    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids), sampling=sampling)
-    timer = _Timer()
-    async for response in stub.Generate(request):
-        timer.tokens(sum(len(d.token_ids) for d in response.deltas))
-    return timer.result()
-
-
+# ---- the in-process peer (offline) ----------------------------------------------------------
 async def offline_request(engine, params, prompt_ids: list[int]) -> RequestResult:
-    timer = _Timer()
+    timer = Timer()
     async for out in engine.generate(prompt_token_ids=prompt_ids, sampling_params=params):
         timer.tokens(sum(len(d.token_ids) for d in out.deltas))
     return timer.result()
@@ -160,7 +97,14 @@ def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
 
 
 # ---- a random model (the GPU machine has no network and no embedded model) -------------------
-RANDOM_SHAPES = {  # Llama bodies with a byte-level vocabulary (256 bytes + 2 specials)
+_LLAMA_8B_BODY = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
+RANDOM_SHAPES = {  # Llama bodies; "vocab" 258 = byte-level (256 bytes + 2 specials), tied embeddings
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -175,62 +119,88 @@ RANDOM_SHAPES = {  # Llama bodies with a byte-level vocabulary (256 bytes + 2 sp
         num_attention_heads=32,
         num_key_value_heads=8,
     ),
-    "llama-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
+    # Llama-3-8B as served: 128,256-token vocabulary and an untied lm_head (the logits GEMM and the
+    # detokenizer see the real sizes); the tokenizer is synthetic (see _synthetic_tokenizer).
+    "llama-8b": dict(_LLAMA_8B_BODY, vocab_size=128256, tie_word_embeddings=False),
 }
+_NUM_SPECIAL = 2  # <|im_start|> (bos), <|im_end|> (eos): the last two ids
+
+
+def _synthetic_tokenizer(vocab_size: int):
+    """Byte-level BPE: ids 0-255 are the bytes, ids 256.. are synthetic words (' w<base-26 id>'),
+    the last two are the specials. No merges: encoding text yields bytes, decoding any id works."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for i in range(len(alphabet), vocab_size - _NUM_SPECIAL):
+        word, k = "", i
+        while k:
+            word, k = chr(ord("a") + k % 26) + word, k // 26
+        vocab["\u0120w" + word] = i  # \u0120 is the byte-level spelling of a space
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    return tok
+
+
+def _random_weights(shapes: dict[str, tuple[int, ...]], seed: int):
+    """bf16 tensors scaled by fan_in**-0.5, cut from one shared random pool at random offsets:
+    an 8B checkpoint in seconds (torch.randn per tensor would take about a minute of CPU)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(1 << 26, generator=g).to(torch.bfloat16)  # 64M values, 128 MB
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, dtype=torch.bfloat16)
+            continue
+        numel = shape[0] * shape[1]
+        out = torch.empty(numel, dtype=torch.bfloat16)
+        pos = 0
+        while pos < numel:  # tiles of the pool, each from its own random offset
+            take = min(numel - pos, pool.numel() // 2)
+            off = int(torch.randint(0, pool.numel() - take + 1, (1,), generator=g))
+            out[pos : pos + take] = pool[off : off + take]
+            pos += take
+        yield name, out.view(shape).mul_(shape[1] ** -0.5)
 
 
 def write_random_llama(folder: Path, shape: str, seed: int = 0) -> Path:
     """A random Llama checkpoint (HF layout: config.json, model.safetensors, tokenizer.json)."""
-    import torch
     from safetensors.torch import save_file
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    cfg = {**RANDOM_SHAPES[shape], "vocab_size": 258, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
-    cfg |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0}
-    cfg |= {"bos_token_id": 256, "eos_token_id": 257, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    cfg = {"vocab_size": 258, "tie_word_embeddings": True, **RANDOM_SHAPES[shape]}
+    cfg |= {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
+    cfg |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16"}
+    vocab = cfg["vocab_size"]
+    cfg |= {"bos_token_id": vocab - 2, "eos_token_id": vocab - 1}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
-    tok.save(str(folder / "tokenizer.json"))
+    _synthetic_tokenizer(vocab).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
     )
-    g = torch.Generator().manual_seed(seed)
-    h, inter, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    head_dim = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * head_dim
-
-    def w(*shape_: int) -> torch.Tensor:
-        return (torch.randn(*shape_, generator=g) * shape_[-1] ** -0.5).to(torch.bfloat16)
-
-    tensors = {
-        "model.embed_tokens.weight": w(258, h),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-    }
-    for i in range(n_layers):
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, h)
+    for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": w(h, h),
-            p + "self_attn.k_proj.weight": w(kv, h),
-            p + "self_attn.v_proj.weight": w(kv, h),
-            p + "self_attn.o_proj.weight": w(h, h),
-            p + "mlp.gate_proj.weight": w(inter, h),
-            p + "mlp.up_proj.weight": w(inter, h),
-            p + "mlp.down_proj.weight": w(h, inter),
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
         }
-    save_file(tensors, str(folder / "model.safetensors"))
+    save_file(dict(_random_weights(shapes, seed)), str(folder / "model.safetensors"))
     return folder
 
 
@@ -291,51 +261,41 @@ async def _offline_engine(args):
 
 async def sweep(server: Server, args, vocab: int) -> list[LevelResult]:
     """Rounds interleave the modes (offline, gRPC, HTTP) at each N, so a noisy neighbour hits all
-    of them alike; tokens/s is the median over rounds, latencies pool every request."""
-    import grpc
-
+    of them alike; tokens/s is the median over rounds, latencies pool every request. gRPC and
+    HTTP clients run in `--client-procs` processes of their own; the offline peer's clients are
+    its own in-process consumers (that is the workload being compared against)."""
     from pagedinfer.engine.sampling_params import SamplingParams
-    from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
-    from pagedinfer.engine.server.proto_gen import inference_pb2_grpc as pb_grpc
 
-    url = f"http://127.0.0.1:{server.http_port}"
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine = None if args.no_offline else await _offline_engine(args)
-    limits = httpx.Limits(
-        max_connections=max(args.levels) + 4, max_keepalive_connections=max(args.levels) + 4
+    pool = ClientPool(
+        args.client_procs, server.http_port, server.grpc_port, args.max_tokens, max(args.levels)
     )
-    async with (
-        httpx.AsyncClient(timeout=None, limits=limits) as client,
-        grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as ch,
-    ):
-        stub = pb_grpc.InferenceServiceStub(ch)
-        one = {
-            "http": lambda ids: http_request(client, url, ids, args.max_tokens),
-            "grpc": lambda ids: grpc_request(stub, pb, ids, args.max_tokens),
-            "offline": lambda ids: offline_request(engine, params, ids),
-        }
-        modes = (["offline"] if engine is not None else []) + args.protocols
-        warm = prompts(1, args.prompt_len, vocab)[0]
-        for mode in modes:
-            await one[mode](warm)
-        out = []
-        try:
-            for n in args.levels:
-                ps = prompts(n * args.requests_per_client, args.prompt_len, vocab)
-                rounds: dict[str, list] = {m: [] for m in modes}
-                for r in range(args.rounds):
-                    for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:  # rotate the order
-                        rounds[mode].append(
-                            await run_level(
-                                n, args.requests_per_client, lambda k, f=one[mode], ps=ps: f(ps[k])
-                            )
-                        )
-                for mode in modes:
-                    out.append(summarize_rounds(mode, n, rounds[mode]))
-                    print(_fmt(out[-1]), flush=True)
-        finally:
-            if engine is not None:
-                await engine.shutdown(0)
+    modes = (["offline"] if engine is not None else []) + args.protocols
+    warm = prompts(1, args.prompt_len, vocab)[0]
+    out = []
+    try:
+        pool.warm(args.protocols, warm)
+        if engine is not None:
+            await offline_request(engine, params, warm)
+        for n in args.levels:
+            ps = prompts(n * args.requests_per_client, args.prompt_len, vocab)
+            rounds: dict[str, list] = {m: [] for m in modes}
+            for r in range(args.rounds):
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:  # rotate the order
+                    if mode == "offline":
+                        one = lambda k, ps=ps: offline_request(engine, params, ps[k])  # noqa: E731
+                        level = await run_level(n, args.requests_per_client, one)
+                    else:
+                        level = await pool.run_level(mode, n, args.requests_per_client, ps)
+                    rounds[mode].append(level)
+            for mode in modes:
+                out.append(summarize_rounds(mode, n, rounds[mode]))
+                print(_fmt(out[-1]), flush=True)
+    finally:
+        pool.close()
+        if engine is not None:
+            await engine.shutdown(0)
     offline = {r.concurrency: r.tokens_per_second for r in out if r.mode == "offline"}
     for r in out:
         if r.mode != "offline" and r.concurrency in offline:
@@ -415,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-offline", action="store_true", help="skip the in-process peer")
     p.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) // 4),
+        help="processes running the gRPC/HTTP clients (default: a quarter of the cores, at least 1)",
+    )
+    p.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -491,6 +457,7 @@ def _write(args, results: list[LevelResult], info: dict, lines: list[str]) -> No
             "greedy": True,
             "ignore_eos": True,
             "torch_threads": args.torch_threads,
+            "client_procs": args.client_procs,
         },
         "results": [asdict(r) for r in results],
     }
