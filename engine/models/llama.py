@@ -53,13 +53,14 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden, residual [T, hidden]; returns the block output and the running residual.
+        backend = attn_metadata.backend  # the fused elementwise kernels follow the attention backend
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, backend=backend)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, backend=backend)
         hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual, backend=backend)
+        return self.mlp(hidden, backend=backend), residual
 
 
 class LlamaModel(nn.Module):
@@ -113,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
-        hidden, _ = self.model.norm(hidden, residual)
+        hidden, _ = self.model.norm(hidden, residual, backend=attn_metadata.backend)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

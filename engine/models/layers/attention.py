@@ -1,6 +1,7 @@
 """Grouped-query self-attention over the paged KV cache.
 
-qkv projection (one fused GEMM) -> rotary -> write the new K/V into the cache -> paged attention
+qkv projection (one fused GEMM) -> rotary + write the new K/V into the cache (one fused kernel)
+-> paged attention
 (the decode kernel when every sequence brings exactly one token, else the extend kernel) -> o_proj.
 Heads here are the heads of this rank: tensor parallelism divides num_heads and num_kv_heads.
 """
@@ -10,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedinfer.engine.models.layers.rotary import apply_rotary
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
-from pagedinfer.kernels import ops
+from pagedinfer.kernels import fused_ops, ops
 
 
 class PagedAttention(nn.Module):
@@ -40,19 +40,16 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         # x [T, hidden]; rope (cos, sin) [T, D/2]; caches [num_blocks, block_size, KVH, D]
         num_tokens = x.shape[0]
+        key_cache, value_cache = kv_cache
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotate together: one pass over [T, H + KVH, D] (strided views from here on).
-        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        out = self._attend(q, k, v, kv_cache, attn_metadata)  # [T, H, D]
+        # Rotates q and k; the new K/V go into the cache first, attention then reads only the cache.
+        q = fused_ops.rotary_cache_write(
+            qkv, *rope, key_cache, value_cache, attn_metadata.slot_mapping, backend=attn_metadata.backend
+        )  # [T, H, D]
+        out = self._attend(q, key_cache, value_cache, attn_metadata)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
-    def _attend(self, q, k, v, kv_cache, md: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        # The new K/V go into the cache first; attention then reads only the cache.
-        ops.write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping, backend=md.backend)
+    def _attend(self, q, key_cache, value_cache, md: AttentionMetadata) -> torch.Tensor:
         if md.is_pure_decode:
             return ops.paged_decode_attention(
                 q, key_cache, value_cache, md.block_tables, md.seq_lens, self.scale, backend=md.backend

@@ -2,8 +2,11 @@
 
 Hugging Face q/k weights use this layout; GGUF llama weights are un-permuted into it at load.
 Scaling: none, "linear" (positions / factor), "llama3" (Llama-3.1's frequency-dependent
-interpolation) and "freq_factors" (the same, precomputed per frequency, as llama.cpp stores it). Cos/sin are computed from the positions of each step, so there is no
-max-position table to size and no state besides the inverse frequencies.
+interpolation) and "freq_factors" (the same, precomputed per frequency, as llama.cpp stores it).
+Cos/sin are computed from the positions of each step (once, shared by every layer), so there is
+no max-position table to size and no state besides the inverse frequencies. The rotation itself
+runs fused with the KV-cache write (kernels/fused_ops.rotary_cache_write); `apply_rotary` is its
+PyTorch reference.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 import torch
 
 from pagedinfer.engine.config import RopeScaling
+from pagedinfer.kernels import fused_reference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
@@ -67,12 +71,8 @@ class RotaryEmbedding:
         self.inv_freq = compute_inv_freq(head_dim, base, scaling).to(device)  # [D/2] fp32
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        return freqs.cos(), freqs.sin()
+        return fused_reference.rope_cos_sin(positions, self.inv_freq)  # (cos, sin) [T, D/2]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by (cos, sin) [T, D/2]: halves (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # [T, H, D/2] each
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+# Rotate x [T, H, D] by (cos, sin) [T, D/2] (half-split layout); the model path uses the fused kernel.
+apply_rotary = fused_reference.apply_rotary
