@@ -58,7 +58,7 @@ def assemble_engine(
 
     mc = model.config
     device, dtype = model.device, model.dtype
-    sched_cfg = config.scheduler
+    sched_cfg, spec_cfg = config.scheduler, config.speculative
     max_model_len = min(sched_cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     block_size = config.cache.block_size
     backend = ops.select_backend(device, config.device.attention_backend)
@@ -83,6 +83,8 @@ def assemble_engine(
             attention_backend=backend,
             enable_cuda_graphs=config.device.enable_cuda_graphs,
             eos_token_ids=eos,
+            num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg.method else 0,
+            max_verify_seqs=spec_cfg.max_batch_size,
         ),
     )
     on_phase("capturing_graphs")

@@ -1,21 +1,45 @@
-"""CUDA graphs for pure-decode steps, one per batch-size bucket.
+"""CUDA graphs for decode and verification steps, one per (batch-size bucket, query length).
 
-A decode step of B sequences replays the graph of the smallest bucket >= B; its inputs are
-the `InputBatch` device buffers (static addresses), padded rows point at a scratch block.
-Prefill / mixed steps, and every step on the CPU, run eagerly.
+A graph keyed (B, q) takes up to B sequences of at most q new tokens each (B * q token rows):
+q = 1 is a pure-decode step (decode kernel), q = 1 + K a speculative verification step (extend
+kernel with a fixed max_query_len; it reads query_start_loc / seq_lens from the device, so one
+graph serves any mix of query lengths <= q). Its inputs are the `InputBatch` device buffers
+(static addresses); unused rows go to pad sequences in a scratch block (their hidden rows are
+never read).
+Prefills, larger steps, and every step on the CPU run eagerly.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    """One captured graph: up to `num_seqs` sequences of up to `query_len` new tokens each."""
+
+    num_seqs: int
+    query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.query_len
+
+    @property
+    def num_seq_rows(self) -> int:
+        """Sequence rows: B for decode; 2B for verification (pad sequences for unused rows)."""
+        return self.num_seqs if self.query_len == 1 else 2 * self.num_seqs
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -27,53 +51,78 @@ def default_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(buckets))
 
 
-class CudaGraphRunner:
-    """Captures `model(...)` for each bucket and replays it; `None` from `bucket_for` = eager."""
+def graph_keys(
+    buckets: Sequence[int], query_lens: Sequence[int], max_num_tokens: int, max_verify_seqs: int | None = None
+) -> list[GraphKey]:
+    """Keys to capture: every bucket at q = 1; at q > 1 the buckets up to `max_verify_seqs`
+    (speculation is off above it) whose B * q rows fit the input buffers."""
+    keys = []
+    for q in sorted(set(query_lens)):
+        for b in buckets:
+            if q > 1 and max_verify_seqs is not None and b > max_verify_seqs:
+                continue
+            if b * q <= max_num_tokens:
+                keys.append(GraphKey(b, q))
+    return keys
 
-    def __init__(self, model, kv_caches, batch: InputBatch, buckets: list[int], max_seq_len: int) -> None:
+
+def select_key(keys: Sequence[GraphKey], num_seqs: int, max_query_len: int) -> GraphKey | None:
+    """The cheapest captured graph for a step: smallest q >= the step's longest query, then the
+    smallest bucket >= num_seqs; None (eager) when nothing fits. `keys` is sorted."""
+    if num_seqs < 1 or max_query_len < 1:
+        return None
+    for q in sorted({k.query_len for k in keys}):
+        if q < max_query_len:
+            continue
+        buckets = [k.num_seqs for k in keys if k.query_len == q]
+        i = bisect.bisect_left(buckets, num_seqs)
+        if i < len(buckets):
+            return GraphKey(buckets[i], q)
+        return None  # a longer q would only pad more; same bucket limits
+    return None
+
+
+class CudaGraphRunner:
+    """Captures `model(...)` for each key and replays it; `None` from `select` = eager."""
+
+    def __init__(self, model, kv_caches, batch: InputBatch, keys: Sequence[GraphKey]) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.batch = batch
-        self.buckets = buckets
-        self.max_seq_len = max_seq_len
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self.keys = sorted(keys)
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[GraphKey, torch.Tensor] = {}
         self._pool = None
 
-    def bucket_for(self, num_seqs: int) -> int | None:
-        i = bisect.bisect_left(self.buckets, num_seqs)
-        if i == len(self.buckets) or self.buckets[i] not in self._graphs:
-            return None
-        return self.buckets[i]
+    @property
+    def captured(self) -> list[GraphKey]:
+        return sorted(self._graphs)
 
-    def _metadata(self, bucket: int) -> AttentionMetadata:
-        b = self.batch
-        return AttentionMetadata(
-            slot_mapping=b.slots[:bucket],
-            positions=b.pos[:bucket],
-            block_tables=b.block_tables[:bucket, : b.max_blocks_per_seq],
-            query_start_loc=b.query_start_loc[: bucket + 1],
-            seq_lens=b.seq_lens[:bucket],
-            logits_indices=b.logits_indices[:bucket],
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,
-            is_pure_decode=True,
-            backend=b.backend,
-        )
+    def select(self, num_seqs: int, max_query_len: int) -> GraphKey | None:
+        return select_key(self.captured, num_seqs, max_query_len)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        """Decode bucket for num_seqs sequences (None: eager)."""
+        key = self.select(num_seqs, 1)
+        return key.num_seqs if key is not None and key.query_len == 1 else None
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
+        """Capture every key, largest first so smaller graphs reuse its memory pool."""
         b = self.batch
-        b.slots.fill_(b.scratch_slot)
         b.block_tables.fill_(b.scratch_block)
-        b.seq_lens.fill_(1)
-        b.query_start_loc.copy_(torch.arange(b.query_start_loc.shape[0], dtype=torch.int32))
-        b.ids.zero_()
-        b.pos.zero_()
-        for bucket in sorted(self.buckets, reverse=True):
-            md = self._metadata(bucket)
-            ids, pos = b.ids[:bucket], b.pos[:bucket]
+        empty = np.zeros(0, dtype=np.int32)
+        layout = SimpleNamespace(
+            block_tables=np.zeros((0, 1), dtype=np.int32),
+            slot_mapping=empty,
+            positions=empty,
+            context_lens=empty,
+            query_start_loc=np.zeros(1, dtype=np.int32),
+        )
+        for key in sorted(self.keys, key=lambda k: (k.num_tokens, k), reverse=True):
+            # Captured on an all-padding batch: the same layout a real step is padded to.
+            md = b.stage(np.zeros(0, dtype=np.int64), layout, np.zeros(0, dtype=np.int64), key).attn_metadata
+            ids, pos = b.ids[: key.num_tokens], b.pos[: key.num_tokens]
             for _ in range(2):  # warm up: Triton autotune / compile outside the capture
                 self.model(ids, pos, self.kv_caches, md)
             torch.cuda.synchronize()
@@ -81,12 +130,14 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self.model(ids, pos, self.kv_caches, md)
             self._pool = graph.pool()
-            self._graphs[bucket] = graph
-            self._outputs[bucket] = out
+            self._graphs[key] = graph
+            self._outputs[key] = out
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
+        logger.info(
+            "captured CUDA graphs (batch, query_len): %s", [(k.num_seqs, k.query_len) for k in self.keys]
+        )
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        """hidden [bucket, H] for the inputs already staged in the batch buffers."""
-        self._graphs[bucket].replay()
-        return self._outputs[bucket]
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """hidden [B * q, H] for the inputs already staged in the batch buffers."""
+        self._graphs[key].replay()
+        return self._outputs[key]

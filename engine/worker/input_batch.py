@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagedinfer.engine.core.scheduler_output import SchedulerOutput
-from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
+from pagedinfer.engine.worker.attn_metadata import AttentionMetadata, BatchLayout
 
 
 @dataclass
@@ -44,6 +44,8 @@ class InputBatch:
         self.device = device
         self.backend = backend
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_seq_len = max_blocks_per_seq * block_size  # what graphs are captured for
+        self.max_num_tokens = max(max_num_tokens, max_num_seqs)
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         pin = device.type == "cuda"
@@ -56,22 +58,36 @@ class InputBatch:
         self.ids_host, self.ids_np, self.ids = pair(max_tokens, torch.int64)
         self.pos_host, self.pos_np, self.pos = pair(max_tokens, torch.int64)
         self.slots_host, self.slots_np, self.slots = pair(max_tokens, torch.int64)
-        self.bt_host, self.bt_np, self.block_tables = pair((max_num_seqs, max_blocks_per_seq), torch.int32)
-        self.lens_host, self.lens_np, self.seq_lens = pair(max_num_seqs, torch.int32)
-        self.qsl_host, self.qsl_np, self.query_start_loc = pair(max_num_seqs + 1, torch.int32)
+        # Twice max_num_seqs sequence rows: verification graphs carry up to B pad sequences more.
+        self.bt_host, self.bt_np, self.block_tables = pair(
+            (2 * max_num_seqs, max_blocks_per_seq), torch.int32
+        )
+        self.lens_host, self.lens_np, self.seq_lens = pair(2 * max_num_seqs, torch.int32)
+        self.qsl_host, self.qsl_np, self.query_start_loc = pair(2 * max_num_seqs + 1, torch.int32)
         self.li_host, self.li_np, self.logits_indices = pair(max_tokens, torch.int64)
 
-    def prepare(self, sched: SchedulerOutput, logits_rows: np.ndarray, pad_seqs_to: int | None) -> StepInputs:
-        """Fill buffers for the step; `pad_seqs_to` (pure decode only) pads to a graph bucket."""
+    def prepare(self, sched: SchedulerOutput, logits_rows: np.ndarray, graph=None) -> StepInputs:
+        """Fill buffers for the step; `graph` (a cuda_graphs.GraphKey) pads to a captured shape."""
         layout = sched.layout
         assert layout is not None
-        num_seqs = len(sched.sequences)
         num_tokens = int(layout.slot_mapping.shape[0])
-        padded_seqs = pad_seqs_to or num_seqs
-        padded_tokens = pad_seqs_to or num_tokens
         ids = np.fromiter(
             itertools.chain.from_iterable(s.token_ids for s in sched.sequences), np.int64, num_tokens
         )
+        return self.stage(ids, layout, logits_rows, graph)
+
+    def stage(self, ids: np.ndarray, layout: BatchLayout, logits_rows: np.ndarray, graph=None) -> StepInputs:
+        """Token ids [T] + a block manager's layout -> device inputs (padded to `graph` if given).
+
+        Padding for a graph of (B, q): the token rows up to B * q go to pad sequences in the scratch
+        block, at most q rows each (so max_query_len = q holds and query_start_loc ends at the row
+        count); decode graphs (q = 1) have B sequence rows, verification graphs 2B: enough pad
+        sequences for any step of <= B sequences of 1..q tokens.
+        """
+        num_seqs = int(layout.context_lens.shape[0])
+        num_tokens = int(layout.slot_mapping.shape[0])
+        padded_seqs = graph.num_seq_rows if graph is not None else num_seqs
+        padded_tokens = graph.num_tokens if graph is not None else num_tokens
         self.ids_np[:num_tokens] = ids
         self.pos_np[:num_tokens] = layout.positions
         self.slots_np[:num_tokens] = layout.slot_mapping
@@ -79,31 +95,67 @@ class InputBatch:
         self.bt_np[:num_seqs, :width] = layout.block_tables
         self.lens_np[:num_seqs] = layout.context_lens
         self.qsl_np[: num_seqs + 1] = layout.query_start_loc
-        if padded_seqs > num_seqs:  # bucket padding: one token per fake sequence, scratch block
-            self.ids_np[num_tokens:padded_tokens] = 0
-            self.pos_np[num_tokens:padded_tokens] = 0
-            self.slots_np[num_tokens:padded_tokens] = self.scratch_slot
-            self.bt_np[num_seqs:padded_seqs, 0] = self.scratch_block
-            self.lens_np[num_seqs:padded_seqs] = 1
-            self.qsl_np[num_seqs + 1 : padded_seqs + 1] = np.arange(num_tokens + 1, padded_tokens + 1)
+        if graph is not None:
+            self._pad(graph, num_seqs, num_tokens)
         num_logits = len(logits_rows)
         self.li_np[:num_logits] = logits_rows
-        bt_width = self.max_blocks_per_seq if pad_seqs_to else width
         self._copy(padded_tokens, padded_seqs, num_logits)
-        q_lens = np.diff(layout.query_start_loc)
-        md = AttentionMetadata(
-            slot_mapping=self.slots[:padded_tokens],
-            positions=self.pos[:padded_tokens],
-            block_tables=self.block_tables[:padded_seqs, :bt_width],
-            query_start_loc=self.query_start_loc[: padded_seqs + 1],
-            seq_lens=self.seq_lens[:padded_seqs],
-            logits_indices=self.logits_indices[:num_logits],
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(layout.context_lens.max()),
-            is_pure_decode=bool((q_lens == 1).all()),
+        if graph is not None:
+            md = self.graph_metadata(graph)
+            md.logits_indices = self.logits_indices[:num_logits]
+        else:
+            q_lens = np.diff(layout.query_start_loc)
+            md = AttentionMetadata(
+                slot_mapping=self.slots[:num_tokens],
+                positions=self.pos[:num_tokens],
+                block_tables=self.block_tables[:num_seqs, :width],
+                query_start_loc=self.query_start_loc[: num_seqs + 1],
+                seq_lens=self.seq_lens[:num_seqs],
+                logits_indices=self.logits_indices[:num_logits],
+                max_query_len=int(q_lens.max()),
+                max_seq_len=int(layout.context_lens.max()),
+                is_pure_decode=bool((q_lens == 1).all()),
+                backend=self.backend,
+            )
+        return StepInputs(self.ids[:padded_tokens], self.pos[:padded_tokens], md, num_tokens, num_seqs)
+
+    def _pad(self, graph, num_seqs: int, num_tokens: int) -> None:
+        """Scratch-block padding up to the graph's shape (see `stage`)."""
+        num_pad_seqs = graph.num_seq_rows - num_seqs
+        num_pad_tokens = graph.num_tokens - num_tokens
+        # Pad sequences take up to q rows each, in order: [q, q, ..., rest, 0, 0, ...].
+        q_lens = np.clip(
+            num_pad_tokens - graph.query_len * np.arange(max(num_pad_seqs, 0)), 0, graph.query_len
+        )
+        if (
+            num_pad_seqs < 0
+            or int(q_lens.sum()) != num_pad_tokens
+            or (graph.query_len == 1 and q_lens.min(initial=1) < 1)
+        ):
+            raise ValueError(f"{num_seqs} sequences / {num_tokens} tokens do not fit graph {graph}")
+        rows = slice(num_seqs, graph.num_seq_rows)
+        self.ids_np[num_tokens : graph.num_tokens] = 0
+        self.pos_np[num_tokens : graph.num_tokens] = np.concatenate([np.arange(n) for n in q_lens] or [[]])
+        self.slots_np[num_tokens : graph.num_tokens] = self.scratch_slot
+        self.bt_np[rows] = self.scratch_block
+        self.lens_np[rows] = np.maximum(q_lens, 1)
+        self.qsl_np[num_seqs + 1 : graph.num_seq_rows + 1] = num_tokens + np.cumsum(q_lens)
+
+    def graph_metadata(self, graph) -> AttentionMetadata:
+        """Metadata over the static buffers for a captured shape (full block-table width)."""
+        rows = graph.num_seq_rows
+        return AttentionMetadata(
+            slot_mapping=self.slots[: graph.num_tokens],
+            positions=self.pos[: graph.num_tokens],
+            block_tables=self.block_tables[:rows, : self.max_blocks_per_seq],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            seq_lens=self.seq_lens[:rows],
+            logits_indices=self.logits_indices[: graph.num_seqs],
+            max_query_len=graph.query_len,
+            max_seq_len=self.max_seq_len,
+            is_pure_decode=graph.query_len == 1,
             backend=self.backend,
         )
-        return StepInputs(self.ids[:padded_tokens], self.pos[:padded_tokens], md, num_tokens, num_seqs)
 
     def _copy(self, num_tokens: int, num_seqs: int, num_logits: int) -> None:
         for host, dev, n in (

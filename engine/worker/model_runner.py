@@ -27,7 +27,7 @@ from pagedinfer.engine.core.scheduler_output import (
 )
 from pagedinfer.engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput
-from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets
+from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch
 from pagedinfer.kernels import ops
 
@@ -45,6 +45,8 @@ class RunnerConfig:
     attention_backend: str | None = None
     enable_cuda_graphs: bool = True
     eos_token_ids: tuple[int, ...] = ()
+    num_speculative_tokens: int = 0  # > 0: also capture verification graphs (q = 1 + K)
+    max_verify_seqs: int | None = None  # speculation is off above this batch size: no graphs there
 
 
 @dataclass(frozen=True)
@@ -118,13 +120,12 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         if not (self.config.enable_cuda_graphs and self.config.device.type == "cuda"):
             return
-        graphs = CudaGraphRunner(
-            self.model,
-            self.kv_caches,
-            self.batch,
-            default_buckets(self.config.max_num_seqs),
-            self.config.max_model_len,
+        cfg = self.config
+        query_lens = (1, 1 + cfg.num_speculative_tokens) if cfg.num_speculative_tokens > 0 else (1,)
+        keys = graph_keys(
+            default_buckets(cfg.max_num_seqs), query_lens, self.batch.max_num_tokens, cfg.max_verify_seqs
         )
+        graphs = CudaGraphRunner(self.model, self.kv_caches, self.batch, keys)
         try:
             graphs.capture()
         except RuntimeError:  # e.g. a backend that syncs the host: decode runs eagerly instead
@@ -151,12 +152,10 @@ class ModelRunner:
             copies = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.config.device)
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], copies)
         logits_rows, rows, groups = self._sampling_plan(sched)
-        bucket = (
-            self.graphs.bucket_for(len(sched.sequences)) if self.graphs and sched.is_pure_decode else None
-        )
-        inputs = self.batch.prepare(sched, logits_rows, bucket)
-        if bucket is not None:
-            hidden = self.graphs.replay(bucket)  # [bucket, H]
+        key = self._graph_key(sched)
+        inputs = self.batch.prepare(sched, logits_rows, key)
+        if key is not None:
+            hidden = self.graphs.replay(key)  # [B * q, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         if not rows:
@@ -182,6 +181,14 @@ class ModelRunner:
             result = self._collect(pending.sampled, pending.rows, pending.groups, pending.meta.num_logprobs)
         self._gpu_mark_end(pending.start)
         return result
+
+    def _graph_key(self, sched: SchedulerOutput) -> GraphKey | None:
+        """The captured graph for this step: decode steps, and steps whose every query is at most
+        1 + K tokens (verification; a short prefill chunk may ride along), else None (eager)."""
+        if self.graphs is None:
+            return None
+        max_query_len = int(np.diff(sched.layout.query_start_loc).max())
+        return self.graphs.select(len(sched.sequences), max_query_len)
 
     def _sampling_plan(
         self, sched: SchedulerOutput

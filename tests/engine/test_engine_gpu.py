@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedinfer.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pagedinfer.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.sampling_params import SamplingParams
 
@@ -20,13 +26,16 @@ pytestmark = [
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def make_llm(folder, graphs: bool, dtype: str = "float32", **sched) -> LLM:
+def make_llm(
+    folder, graphs: bool, dtype: str = "float32", spec: SpeculativeConfig | None = None, **sched
+) -> LLM:
     return LLM(
         EngineConfig(
             model=str(folder),
             cache=CacheConfig(block_size=16, num_blocks=128),
             scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16, **sched),
             device=DeviceConfig(device="cuda", dtype=dtype, enable_cuda_graphs=graphs),
+            speculative=spec or SpeculativeConfig(),
         )
     )
 
@@ -59,5 +68,32 @@ def test_bf16_seeded_sampling_and_preemption_on_gpu(tiny_llama_dir):
     alone = llm.generate(prompt_token_ids=ps[:1], sampling_params=params)[0].token_ids
     together = llm.generate(prompt_token_ids=ps, sampling_params=params)[0].token_ids
     assert len(alone) == 12 and len(together) == 12
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model="self:layers=0"),
+    ],
+    ids=["ngram", "self-draft"],
+)
+def test_speculative_verification_graphs_keep_greedy_output(tiny_llama_dir, spec):
+    """Verification steps replay (B, 1 + K) graphs; greedy output equals plain decoding."""
+    ps = [*prompts(5), [5, 6, 7, 8, 9] * 4, [11, 12] * 8]
+    plain = make_llm(tiny_llama_dir, graphs=True)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    llm = make_llm(tiny_llama_dir, graphs=True, spec=spec)
+    graphs = llm.core.runner.graphs
+    assert any(key.query_len == 4 for key in graphs.captured)
+    replayed = []
+    replay = graphs.replay
+    graphs.replay = lambda key: replayed.append(key) or replay(key)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    assert got == expected
+    assert any(key.query_len == 4 for key in replayed)
+    assert llm.core.spec_decoder.stats.num_draft_tokens > 0
     kv = llm.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
