@@ -8,6 +8,7 @@ decode graphs; eager times are kept too), KV bytes read / time, and its fraction
 device-to-device copy bandwidth measured in the same run. Prefill / extend: TFLOP/s against SDPA's causal flash path (and cuDNN).
 
     python bench/attention.py --out bench/results [--quick] [--tune decode|extend|all]
+        [--decode-shapes 1x512,1x8192,64x2048] [--skip-prefill]
 
 Writes OUT/attention.json, OUT/attention.png and prints a table with ratios. Needs CUDA.
 """
@@ -86,7 +87,8 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
     row["sdpa_backend"] = sdpa_name
     factories = {
         "triton": cases.ours_decode,
-        "fused": cases.ours_fused_decode,
+        "fused": lambda x: cases.ours_merge_decode(x, cases.SplitMerge.FUSED),
+        "pdl": lambda x: cases.ours_merge_decode(x, cases.SplitMerge.PDL),
         "sdpa": lambda x: cases.sdpa_decode(x, sdpa_name),
         "gather": lambda x: cases.gather_decode(x, sdpa_name),
     }
@@ -94,8 +96,13 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
         factories["cuda"] = lambda x: cases.cuda_decode(x, args.cuda_lib)
     for name, factory in factories.items():
         fns = [factory(x) for x in sets]
-        err = _rel_err(fns[0](), ref)
-        ms = _bench_graph(fns, args.rep_ms)
+        try:
+            err = _rel_err(fns[0](), ref)
+            ms = _bench_graph(fns, args.rep_ms)
+        except Exception as e:  # noqa: BLE001 - a variant that fails to build or run is recorded, not fatal
+            row[name] = {"error": str(e)[:300]}
+            print(f"{name} {batch}x{context}: {row[name]['error']}", flush=True)
+            continue
         gbps = kv_bytes / ms / 1e6
         eager_ms = _bench(fns[0], args.rep_ms)
         row[name] = {
@@ -148,7 +155,7 @@ def _rows(result: dict, kind: str, model: str = cases.LLAMA.name) -> list[dict]:
 
 
 def _decode_lines(rows: list[dict]) -> list[str]:
-    names = ("triton", "fused", "cuda", "sdpa", "gather")
+    names = ("triton", "fused", "pdl", "cuda", "sdpa", "gather")
     lines = [
         f"{'batch':>5} {'ctx':>5} | "
         + " | ".join(f"{n:>22}" for n in names)
@@ -158,7 +165,8 @@ def _decode_lines(rows: list[dict]) -> list[str]:
         cells = []
         for name in names:
             v = r.get(name)
-            cells.append(f"{v['ms']:8.4f} {v['gbps']:6.0f} {v['frac_copy']:5.2f}" if v else f"{'-':>22}")
+            ok = v and "ms" in v
+            cells.append(f"{v['ms']:8.4f} {v['gbps']:6.0f} {v['frac_copy']:5.2f}" if ok else f"{'-':>22}")
         vs_sdpa = _ratio(r, "triton", "sdpa", "gbps") or 0.0
         vs_gather = _ratio(r, "triton", "gather", "gbps") or 0.0
         lines.append(
@@ -194,9 +202,37 @@ def summarize(result: dict) -> str:
     b1 = [r for r in _rows(result, "decode") if r["batch"] == 1 and r["context"] == max(CONTEXTS)]
     if b1:
         floor_ms = b1[0]["kv_bytes"] / result["copy_gbps"] / 1e6
-        got = ", ".join(f"{n} {b1[0][n]['ms'] * 1e3:.1f} us" for n in ("triton", "fused") if n in b1[0])
+        got = ", ".join(
+            f"{n} {b1[0][n]['ms'] * 1e3:.1f} us ({b1[0][n]['ms'] / floor_ms:.2f}x)"
+            for n in ("triton", "fused", "pdl")
+            if "ms" in b1[0].get(n, {})
+        )
         lines.append(f"llama batch 1 x ctx 8192: bandwidth floor {floor_ms * 1e3:.1f} us; {got}")
+    lines += _tune_lines(result["decode"])
     return "\n".join(lines)
+
+
+def _tune_lines(rows: list[dict]) -> list[str]:
+    """Best (tile, splits) per merge for every tuned decode shape, and the default's time."""
+    lines = []
+    for r in rows:
+        if not r.get("tune"):
+            continue
+        best: dict[str, dict] = {}
+        for t in r["tune"]:
+            merge = t["config"]["merge"] if t["num_splits"] > 1 else "none"
+            if "ms" in t and (merge not in best or t["ms"] < best[merge]["ms"]):
+                best[merge] = t
+        cells = [
+            f"{m} {t['ms'] * 1e3:.1f}us ({t['config']['block_n']}/{t['config']['num_warps']}/"
+            f"{t['config']['num_stages']}, {t['num_splits']} sp)"
+            for m, t in sorted(best.items())
+        ]
+        lines.append(
+            f"tune {r['model']} {r['batch']}x{r['context']}: default {r['triton']['ms'] * 1e3:.1f}us; "
+            + "; ".join(cells)
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         "--tune", choices=("none", "decode", "extend", "all"), default="none", help="sweep tile configs"
     )
     ap.add_argument("--no-cuda-variant", dest="cuda_variant", action="store_false")
+    ap.add_argument("--decode-shapes", default=None, help="only these llama decode rows, e.g. 1x512,64x2048")
+    ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU; nothing measured")
@@ -226,15 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         "prefill": [],
     }
     batches = BATCHES[1::2] if args.quick else BATCHES
-    for batch in batches:
-        for context in CONTEXTS:
-            result["decode"].append(bench_decode(batch, context, result["copy_gbps"], args))
-            print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "tune"}), flush=True)
-    for batch, context in () if args.quick else SMOLLM2_DECODE:
+    shapes = [(b, c) for b in batches for c in CONTEXTS]
+    if args.decode_shapes:
+        shapes = [tuple(int(n) for n in s.split("x")) for s in args.decode_shapes.split(",")]
+    for batch, context in shapes:
+        result["decode"].append(bench_decode(batch, context, result["copy_gbps"], args))
+        print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "tune"}), flush=True)
+    for batch, context in () if args.quick or args.decode_shapes else SMOLLM2_DECODE:
         result["decode"].append(bench_decode(batch, context, result["copy_gbps"], args, cases.SMOLLM2))
         print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "tune"}), flush=True)
-    prefill = [(shape, cases.LLAMA) for shape in PREFILL_SHAPES]
-    prefill += [] if args.quick else [(shape, cases.SMOLLM2) for shape in SMOLLM2_PREFILL]
+    prefill = [] if args.skip_prefill else [(shape, cases.LLAMA) for shape in PREFILL_SHAPES]
+    prefill += (
+        [] if args.quick or args.skip_prefill else [(shape, cases.SMOLLM2) for shape in SMOLLM2_PREFILL]
+    )
     for (batch, new, seq_len), heads in prefill:
         result["prefill"].append(bench_prefill(batch, new, seq_len, args, heads))
         print(json.dumps({k: v for k, v in result["prefill"][-1].items() if k != "tune"}), flush=True)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedinfer.kernels import ops
-from pagedinfer.kernels.decode_attention import DecodeConfig
+from pagedinfer.kernels.decode_attention import DecodeConfig, SplitMerge
 from pagedinfer.kernels.decode_attention import paged_decode_attention as triton_decode
 from pagedinfer.kernels.extend_attention import ExtendConfig
 from pagedinfer.kernels.extend_attention import paged_extend_attention as triton_extend
@@ -31,8 +31,10 @@ class Heads:
 
 LLAMA = Heads("llama3-8b", 32, 8, 128)
 SMOLLM2 = Heads("smollm2-135m", 9, 3, 64)
-DECODE_SWEEP = [DecodeConfig(n, 4, s) for n, s in itertools.product((32, 64, 128), (2, 3, 4))] + [
-    DecodeConfig(64, 8, 3)
+# Small-grid decode sweep: tiles x split merges (x split counts in tune_decode).
+DECODE_TILES = ((64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 3))
+DECODE_SWEEP = [
+    DecodeConfig(n, w, s, merge) for (n, w, s), merge in itertools.product(DECODE_TILES, SplitMerge)
 ]
 EXTEND_SWEEP = [
     ExtendConfig(m, n, w, s)
@@ -73,13 +75,13 @@ def decode_inputs(batch: int, context: int, heads: Heads = LLAMA) -> dict:
     return x
 
 
-def ours_fused_decode(x: dict):
-    """Our kernel with the split merge fused in (DecodeConfig.fused_reduce), default tiles."""
+def ours_merge_decode(x: dict, merge: SplitMerge):
+    """Our kernel with default tiles and splits but a given split merge (DecodeConfig.merge)."""
     from dataclasses import replace
 
     from pagedinfer.kernels.decode_attention import default_config
 
-    return ours_decode(x, replace(default_config(x["heads"].head_dim, x["query"].device), fused_reduce=True))
+    return ours_decode(x, replace(default_config(x["heads"].head_dim, x["query"].device), merge=merge))
 
 
 def ours_decode(x: dict, config: DecodeConfig | None = None, num_splits: int | None = None):
@@ -187,21 +189,29 @@ def cuda_decode(x: dict, lib):
 
 
 def tune_decode(sets: list[dict], timer, kv_bytes: int) -> list[dict]:
-    """Every DECODE_SWEEP tile config x a few split counts; timer takes one fn per input set."""
-    from pagedinfer.kernels.decode_attention import default_num_splits
+    """Every DECODE_SWEEP config (tile x merge) x a few split counts; timer takes one fn per input set."""
+    from pagedinfer.kernels.decode_attention import MAX_SPLITS, default_num_splits
 
     x = sets[0]
     base = default_num_splits(x["query"].shape[0], x["heads"].num_kv_heads, x["context"], x["query"].device)
-    splits_options = sorted({max(1, base // 2), base, min(64, base * 2), min(64, base * 4)})
+    splits_options = sorted({max(1, base // 4), max(1, base // 2), base, min(MAX_SPLITS, base * 2)})
     rows = []
     for config, splits in itertools.product(DECODE_SWEEP, splits_options):
+        if splits == 1 and config.merge is not SplitMerge.KERNEL:
+            continue  # nothing to merge: the same kernel as KERNEL
         try:
             ms = timer([ours_decode(s, config, splits) for s in sets])
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects (e.g. shared memory)
-            rows.append({"config": vars(config), "num_splits": splits, "error": str(e)[:120]})
+            rows.append({"config": _config_dict(config), "num_splits": splits, "error": str(e)[:120]})
             continue
-        rows.append({"config": vars(config), "num_splits": splits, "ms": ms, "gbps": kv_bytes / ms / 1e6})
+        rows.append(
+            {"config": _config_dict(config), "num_splits": splits, "ms": ms, "gbps": kv_bytes / ms / 1e6}
+        )
     return rows
+
+
+def _config_dict(config) -> dict:
+    return {k: v.value if isinstance(v, SplitMerge) else v for k, v in vars(config).items()}
 
 
 def extend_inputs(batch: int, new: int, seq_len: int, heads: Heads = LLAMA) -> dict:
@@ -287,12 +297,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
-    names = ["triton", "fused", "cuda", "sdpa", "gather"]
+    names = ["triton", "fused", "pdl", "cuda", "sdpa", "gather"]
     rows = [r for r in result["decode"] if r.get("model", LLAMA.name) == LLAMA.name]
-    width = 0.16
+    width = 0.14
     for i, name in enumerate(names):
-        xs = [j + i * width for j, r in enumerate(rows) if name in r]
-        ys = [r[name]["gbps"] for r in rows if name in r]
+        xs = [j + i * width for j, r in enumerate(rows) if "gbps" in r.get(name, {})]
+        ys = [r[name]["gbps"] for r in rows if "gbps" in r.get(name, {})]
         if ys:
             ax1.bar(xs, ys, width, label=name)
     ax1.axhline(result["copy_gbps"], color="k", ls="--", lw=1, label="d2d copy bw")

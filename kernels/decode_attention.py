@@ -4,7 +4,8 @@ Grid (num_seqs, num_kv_heads, num_splits). A program holds the GROUP query heads
 KV head (padded to >= 16 rows for tl.dot), reads its share of the sequence's tokens straight
 from the paged cache through the block table (no gather copy), and keeps an online softmax in
 fp32. Each KV tile is loaded once for the whole group. With num_splits > 1 every split writes a
-normalized partial output and its log-sum-exp (base 2); _reduce_kernel merges them.
+normalized partial output and its log-sum-exp (base 2); kernels/decode_merge.py merges them
+(a second kernel, the same launched as a programmatic dependent, or the last split in-kernel).
 """
 
 from __future__ import annotations
@@ -15,21 +16,38 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedinfer.kernels.decode_merge import (
+    CounterPool,
+    SplitMerge,
+    fused_split_chunk,
+    gdc_launch_dependents,
+    merge_group,
+    pdl_supported,
+    reduce_splits,
+)
+
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
+MAX_SPLITS = 128  # hard cap (merge tiles are [SPLITS_PAD, D_PAD]); the default rule stays <= 64
+DEFAULT_MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
+
+
+# The fused merge's arrival counters: one zeroed buffer per device, kept for the process's life
+# because CUDA graphs hold its address (see decode_merge.CounterPool).
+FUSED_COUNTERS = CounterPool()
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile shape of the decode kernel: BLOCK_N tokens per iteration."""
+    """Tile shape of the decode kernel (BLOCK_N tokens per iteration) and its split-K merge.
+
+    merge None: default_merge picks from the grid size.
+    """
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # Split-K merge inside the decode kernel: the last split of each (seq, kv_head), found by an
-    # atomic counter, merges the partials; saves the reduction launch. Experimental (bench only).
-    fused_reduce: bool = False
+    merge: SplitMerge | None = None
 
 
 @triton.jit
@@ -42,7 +60,7 @@ def _decode_kernel(
     out_ptr,  # [S, H, D] (written when not IS_SPLIT)
     part_out_ptr,  # fp32 [S, H, num_splits, D_PAD] (written when IS_SPLIT)
     part_lse_ptr,  # fp32 [S, H, num_splits]
-    counter_ptr,  # int32 [S, KVH], zeroed (FUSED_REDUCE only)
+    counter_ptr,  # int32 [>= S * KVH], zero on entry and on exit (MERGE_FUSED only)
     qk_scale,  # softmax scale * log2(e)
     stride_qs,
     stride_qh,
@@ -58,14 +76,19 @@ def _decode_kernel(
     head_dim,
     num_splits,
     IS_SPLIT: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    MERGE_FUSED: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()  # the PDL merge kernel may be scheduled now; it waits for our results
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,82 +138,17 @@ def _decode_kernel(
         tl.store(part_out_ptr + row[:, None] * D_PAD + d[None, :], out, mask=g_mask[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        if FUSED_REDUCE:
+        if MERGE_FUSED:
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            done = tl.atomic_add(
-                counter_ptr + seq * tl.num_programs(1) + kv_head, 1, sem="acq_rel", scope="gpu"
-            )
-            if done == num_splits - 1:  # the last split of this (seq, kv_head) merges them all
-                for g0 in range(GROUP):
-                    head = kv_head * GROUP + g0
-                    o_base = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh
-                    merge_row = seq.to(tl.int64) * GROUP * tl.num_programs(1) + head
-                    _merge_row(
-                        part_out_ptr, part_lse_ptr, o_base, merge_row, head_dim, num_splits, SPLITS_PAD, D_PAD
-                    )
-
-
-@triton.jit
-def _merge_row(
-    part_out_ptr,
-    part_lse_ptr,
-    o_base,
-    row,
-    head_dim,
-    num_splits,
-    SPLITS_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """out[row] = sum_p w_p * part_out[row, p] / sum_p w_p with w_p = 2^(lse_p - max lse)."""
-    p = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
-    p_mask = p < num_splits
-    # .cg: read through L2, never a stale L1 line (partials come from other programs)
-    lse = tl.load(part_lse_ptr + row * num_splits + p, mask=p_mask, other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty splits
-    parts_ptrs = part_out_ptr + (row * num_splits + p[:, None]) * D_PAD + d[None, :]
-    parts = tl.load(parts_ptrs, mask=p_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, D_PAD]
-    denom = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(o_base + d, out.to(o_base.dtype.element_ty), mask=d < head_dim)
-
-
-@triton.jit
-def _reduce_kernel(
-    part_out_ptr,  # fp32 [S, H, num_splits, D_PAD]
-    part_lse_ptr,  # fp32 [S, H, num_splits]
-    out_ptr,  # [S, H, D]
-    stride_os,
-    stride_oh,
-    head_dim,
-    num_splits,
-    SPLITS_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    row = seq * tl.num_programs(1) + head
-    o_base = out_ptr + seq * stride_os + head * stride_oh
-    _merge_row(part_out_ptr, part_lse_ptr, o_base, row, head_dim, num_splits, SPLITS_PAD, D_PAD)
-
-
-def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge split partials part_out fp32 [S, H, P, D_PAD] / part_lse [S, H, P] into out [S, H, D]."""
-    num_seqs, num_heads, num_splits, d_pad = part_out.shape
-    _reduce_kernel[(num_seqs, num_heads)](
-        part_out,
-        part_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        out.shape[2],
-        num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        D_PAD=d_pad,
-        num_warps=4,
-    )
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last split of this (seq, kv_head) merges them all
+                merge_group(
+                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, GROUP * tl.num_programs(1),
+                    stride_os, stride_oh, head_dim, num_splits,
+                    GROUP, GROUP_P2, SPLITS_PAD, SPLIT_CHUNK, D_PAD,
+                )  # fmt: skip
+                tl.store(counter, 0)  # zero again for the next call (and the next graph replay)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -210,9 +168,26 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
         return 1
     waves = 4 if programs < 64 else 2
     splits = min(
-        triton.cdiv(waves * num_sms, programs), triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS
+        triton.cdiv(waves * num_sms, programs),
+        triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT),
+        DEFAULT_MAX_SPLITS,
     )
     return max(1, splits)
+
+
+def default_merge(num_programs: int, device: torch.device) -> SplitMerge:
+    """The split-K merge for a grid of num_programs (sequence, KV head) pairs."""
+    return SplitMerge.KERNEL
+
+
+def _choose_merge(config: DecodeConfig, num_splits: int, num_programs: int, device: torch.device):
+    """The merge this call runs, or None without splits; PDL falls back to KERNEL where unsupported."""
+    if num_splits == 1:
+        return None
+    merge = config.merge or default_merge(num_programs, device)
+    if merge is SplitMerge.PDL and not pdl_supported(device):
+        return SplitMerge.KERNEL
+    return merge
 
 
 def default_config(head_dim: int, device: torch.device) -> DecodeConfig:
@@ -253,8 +228,12 @@ def paged_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel without splits
-    fused = config.fused_reduce and num_splits > 1
-    counter = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device) if fused else out
+    merge = _choose_merge(config, num_splits, num_seqs * num_kv_heads, query.device)
+    counters = FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
+    if merge is SplitMerge.FUSED and counters is None:
+        merge = SplitMerge.KERNEL
+    splits_pad = max(2, triton.next_power_of_2(num_splits))
+    group_p2 = triton.next_power_of_2(group)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -264,7 +243,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        counter,
+        out if counters is None else counters,
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -276,16 +255,19 @@ def paged_decode_attention(
         head_dim,
         num_splits,
         IS_SPLIT=num_splits > 1,
-        FUSED_REDUCE=fused,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        MERGE_FUSED=merge is SplitMerge.FUSED,
+        LAUNCH_DEPENDENTS=merge is SplitMerge.PDL,
+        SPLITS_PAD=splits_pad,
+        SPLIT_CHUNK=fused_split_chunk(group_p2, d_pad, splits_pad),
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_P2=group_p2,
+        GROUP_PAD=max(16, group_p2),
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         D_PAD=d_pad,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if num_splits > 1 and not fused:
-        reduce_splits(part_out, part_lse, out)
+    if merge in (SplitMerge.KERNEL, SplitMerge.PDL):
+        reduce_splits(part_out, part_lse, out, use_pdl=merge is SplitMerge.PDL)
     return out

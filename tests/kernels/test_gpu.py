@@ -5,13 +5,14 @@ CPU counterparts: tests/kernels/test_triton_interpret.py (small shapes, fp32/fp1
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
 import torch
 
-from pagedinfer.kernels import ops
-from pagedinfer.kernels.testing import AttentionCase, run_case
+from pagedinfer.kernels import ops, reference
+from pagedinfer.kernels.testing import TOLERANCE, AttentionCase, make_block_tables, run_case
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -24,8 +25,12 @@ GPU_CASES = (
     _C("write_llama", "write", (1000, 37, 513), num_heads=32, num_kv_heads=8, head_dim=128),
     _C("decode_llama_b64", "decode", tuple(range(1000, 3000, 31)), **LLAMA),
     _C("decode_llama_b1_8k_splitk", "decode", (8192,), **LLAMA),
-    _C("decode_llama_b3_fused", "decode", (8192, 1, 3000), fused_reduce=True, **LLAMA),
-    _C("decode_smollm_b5_fused", "decode", (5000, 0, 17, 2048, 999), fused_reduce=True, **SMOLLM),
+    _C("decode_llama_b1_8k_fused", "decode", (8192,), num_splits=64, merge="fused", repeat_splits=(128, 16, 64, 3), **LLAMA),
+    _C("decode_llama_b3_fused", "decode", (8192, 1, 3000), merge="fused", **LLAMA),
+    _C("decode_smollm_b5_fused", "decode", (5000, 0, 17, 2048, 999), merge="fused", repeat_splits=(7, 2), **SMOLLM),
+    _C("decode_mqa_g16_fused", "decode", (3000, 65), num_heads=16, num_kv_heads=1, merge="fused", num_splits=40),
+    _C("decode_llama_b1_8k_pdl", "decode", (8192,), num_splits=64, merge="pdl", repeat_splits=(128, 5), **LLAMA),
+    _C("decode_smollm_b5_pdl", "decode", (5000, 0, 17, 2048, 999), merge="pdl", **SMOLLM),
     _C("decode_llama_b4_shared", "decode", (4000, 4001, 4017, 33), shared_blocks=200, **LLAMA),
     _C("decode_smollm_b33", "decode", tuple(range(1, 3300, 100)), **SMOLLM),
     _C("decode_mha_d256", "decode", (300, 1, 17, 1500), num_heads=8, num_kv_heads=8, head_dim=256),
@@ -54,3 +59,39 @@ def test_reference_on_gpu(case):
 
 def test_auto_backend_is_triton_on_cuda():
     assert ops.select_backend(torch.device("cuda")) == "triton"
+
+
+@pytest.mark.parametrize("merge", ["fused", "pdl"])
+def test_split_merge_under_graph_replay(merge):
+    """Replayed from one CUDA graph, the fused merge's counters reset themselves and the PDL merge
+    still waits for the split kernel: every replay with a fresh query matches the reference."""
+    from pagedinfer.kernels import decode_attention as da
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [8192, 300, 4000]
+    tables, num_blocks = make_block_tables(lens, 16, 0, gen)
+    cache_shape = (num_blocks, 16, 8, 128)
+    kc, vc = (torch.randn(cache_shape, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    tables, context_lens = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(len(lens), 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    config = dataclasses.replace(da.default_config(128, query.device), merge=da.SplitMerge(merge))
+
+    def decode():
+        return da.paged_decode_attention(query, kc, vc, tables, context_lens, 128**-0.5, 32, config)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        decode()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode()
+    for _ in range(3):
+        query.copy_(torch.randn(query.shape, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        ref = reference.paged_decode_attention(
+            query.double(), kc.double(), vc.double(), tables, context_lens, 128**-0.5
+        )
+        rel = float((out.double() - ref).norm() / ref.norm())
+        assert rel <= TOLERANCE[torch.bfloat16], rel
