@@ -32,7 +32,7 @@ class Heads:
 LLAMA = Heads("llama3-8b", 32, 8, 128)
 SMOLLM2 = Heads("smollm2-135m", 9, 3, 64)
 # Small-grid decode sweep: tiles x split merges (x split counts in tune_decode).
-DECODE_TILES = ((64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 3))
+DECODE_TILES = ((64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 8, 3))
 DECODE_SWEEP = [
     DecodeConfig(n, w, s, merge) for (n, w, s), merge in itertools.product(DECODE_TILES, SplitMerge)
 ]

@@ -232,7 +232,9 @@ def paged_decode_attention(
     counters = FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
     if merge is SplitMerge.FUSED and counters is None:
         merge = SplitMerge.KERNEL
-    splits_pad = max(2, triton.next_power_of_2(num_splits))
+    # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK: one fixed value each keeps the kernel
+    # from recompiling per split count (its loop over splits is dynamic; the lse tile is small).
+    splits_pad = MAX_SPLITS if merge is SplitMerge.FUSED else 2
     group_p2 = triton.next_power_of_2(group)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
