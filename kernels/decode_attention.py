@@ -229,7 +229,9 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused by the kernel without splits
     merge = _choose_merge(config, num_splits, num_seqs * num_kv_heads, query.device)
-    counters = FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
+    counters = (
+        FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
+    )
     if merge is SplitMerge.FUSED and counters is None:
         merge = SplitMerge.KERNEL
     # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK: one fixed value each keeps the kernel
