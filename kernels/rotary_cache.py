@@ -110,5 +110,6 @@ def rotary_cache_write(
         HEADS=HEADS,
         BLOCK_SIZE=key_cache.shape[1],
         num_warps=4,
+        enable_fp_fusion=False,  # no FMA: x1 c - x2 s rounds like the separate torch ops
     )
     return q

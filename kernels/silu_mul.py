@@ -38,5 +38,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     grid = (num_rows, triton.cdiv(inter, BLOCK))
-    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[grid](
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=BLOCK,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
     return out
