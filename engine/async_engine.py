@@ -2,8 +2,9 @@
 
 The step loop runs on a dedicated thread (model execution never blocks the event loop) and
 sleeps on a condition variable when there is nothing to do. Requests and aborts cross into
-it through a locked inbox; outputs come back to each request's asyncio queue through
-`loop.call_soon_threadsafe`.
+it through a locked inbox; each step's outputs go back to the event loop in one
+`loop.call_soon_threadsafe` call, and a request's consumer merges whatever piled up since it
+last read (`merge_outputs`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pagedinfer.engine.config import EngineConfig
 from pagedinfer.engine.core.scheduler_output import StepStats
 from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
-from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage, merge_outputs
 from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 
 __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineDeadError"]
@@ -28,15 +29,46 @@ __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineDeadError"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """One request's undelivered outputs on its event loop. The engine thread posts to it in
+    batches (`_post`); the consumer takes everything ready at once and merges it, so a lagging
+    client gets one message with all its new tokens instead of one per step."""
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        # A closed client loop means nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[RequestOutput | BaseException] = []
+        self.waiter: asyncio.Future | None = None
+
+    def push(self, item: RequestOutput | BaseException) -> None:  # on the loop's thread
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput | BaseException]:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _push_all(batch: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in batch:
+        stream.push(item)
+
+
+def _post(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Hand items to their streams with one call_soon_threadsafe per event loop, not one per
+    request: each call takes the GIL and writes the loop's wake-up pipe."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed client loop: nobody is listening any more
+            loop.call_soon_threadsafe(_push_all, batch)
 
 
 @dataclass
@@ -154,7 +186,7 @@ class AsyncEngine:
                 if stop:  # accepted but never started: it ends like an abort
                     stream = self._streams.pop(new.request_id, None)
                     if stream is not None:
-                        stream.put(_aborted_output(new))
+                        _post([(stream, _aborted_output(new))])
                 else:
                     self._admit(core, new)
             if stop and not core.has_unfinished():
@@ -171,27 +203,30 @@ class AsyncEngine:
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.put(exc)
+            _post([(stream, exc)])
 
     def _step(self, core) -> None:
         try:
             outputs = core.step()
         except Exception as exc:  # fail the in-flight requests, keep serving new ones
             logger.exception("engine step failed; aborting in-flight requests")
-            for request_id, stream in list(self._streams.items()):
+            dead = EngineDeadError(f"engine step failed: {exc}")
+            for request_id in self._streams:
                 core.abort(request_id)
-                stream.put(EngineDeadError(f"engine step failed: {exc}"))
+            _post([(stream, dead) for stream in self._streams.values()])
             self._streams.clear()
             return
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        ready = []
         for out in outputs:
             stream = (
                 self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             )
             if stream is not None:
-                stream.put(out)
+                ready.append((stream, out))
+        _post(ready)
 
     # ---- public API ---------------------------------------------------------------------------
     async def generate(
@@ -209,7 +244,7 @@ class AsyncEngine:
         """
         await self.wait_ready()
         new = self._make_request(prompt, prompt_token_ids, sampling_params, priority, request_id)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         with self._cv:
             if not self._accepting or self._stop:
                 raise EngineDeadError("the engine is shutting down")
@@ -226,11 +261,15 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                items = await stream.take()
+                outputs = [x for x in items if not isinstance(x, BaseException)]
+                if outputs:  # everything ready since the last yield, as one update
+                    out = merge_outputs(outputs)
+                    finished = out.finished
+                    yield out
+                errors = [x for x in items if isinstance(x, BaseException)]
+                if errors and not finished:
+                    raise errors[0]
         finally:
             if not finished:  # client gone or cancelled: free its blocks now
                 await self.abort(new.request_id)
@@ -256,7 +295,7 @@ class AsyncEngine:
             self._cv.notify()
             stream = self._streams.pop(request_id, None) if queued else None
         if stream is not None:  # never reached the engine thread: end its stream here
-            stream.put(_aborted_output(queued[0]))
+            _post([(stream, _aborted_output(queued[0]))])
 
     def add_step_listener(self, callback: Callable[[StepStats], None]) -> None:
         self._listeners.append(callback)

@@ -74,3 +74,27 @@ class RequestOutput:
     finished: bool = False
     usage: Usage | None = None  # set on the last update
     timing: RequestTiming | None = None  # set on the last update
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Several consecutive updates of one request as one: per completion index the text, token
+    ids and logprobs concatenate in order; finish and stop info, usage and timing come from the
+    latest update that has them. A lagging stream sends this instead of one message per step."""
+    if len(outputs) == 1:
+        return outputs[0]
+    merged: dict[int, CompletionDelta] = {}
+    for out in outputs:
+        for d in out.deltas:
+            m = merged.get(d.index)
+            if m is None:
+                m = merged[d.index] = CompletionDelta(d.index)
+            m.text += d.text
+            m.token_ids = m.token_ids + d.token_ids
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            if d.finish_reason is not None:
+                m.finish_reason, m.stop_reason, m.error = d.finish_reason, d.stop_reason, d.error
+    last = outputs[-1]
+    usage = next((o.usage for o in reversed(outputs) if o.usage is not None), None)
+    timing = next((o.timing for o in reversed(outputs) if o.timing is not None), None)
+    return RequestOutput(last.request_id, list(merged.values()), last.finished, usage, timing)

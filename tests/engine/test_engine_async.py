@@ -134,3 +134,24 @@ async def test_idle_engine_sleeps_instead_of_spinning(tiny_llama_dir):
     await asyncio.sleep(0.5)
     assert time.process_time() - cpu_before < 0.1  # a spinning step loop would burn ~0.5 s
     await engine.shutdown(1.0)
+
+
+async def test_lagging_consumer_gets_merged_updates_with_every_token(tiny_llama_dir):
+    engine = await started(tiny_llama_dir)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompt = [5, 6, 7, 8]
+    eager = await collect(engine, prompt, params)  # reads as fast as the engine steps
+    lagging, gen = [], engine.generate(prompt_token_ids=prompt, sampling_params=params)
+    lagging.append(await gen.__anext__())
+    await until(lambda: engine.stats()["num_running"] == 0)  # everything else piles up unread
+    lagging += [out async for out in gen]
+    assert len(lagging) == 2 and lagging[-1].finished  # the first update, then one with the rest
+
+    def tokens(outs):
+        return [t for o in outs for d in o.deltas for t in d.token_ids]
+
+    assert tokens(lagging) == tokens(eager) and len(tokens(eager)) == 12
+    assert [x.sampled.token_id for o in lagging for d in o.deltas for x in d.logprobs] == tokens(eager)
+    assert lagging[-1].deltas[-1].finish_reason is FinishReason.LENGTH
+    assert lagging[-1].usage.completion_tokens == 12 and lagging[-1].timing is not None
+    await engine.shutdown(1.0)
