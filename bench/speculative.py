@@ -1,19 +1,19 @@
 """Speculative decoding: tokens/s and ms/token with and without speculation, side by side.
 
-One engine per run (the model loads once); each configuration is measured against the same
-engine with `use_speculation=False` requests, same prompts, greedy, so outputs must be
-identical (checked). Workloads:
-  (a) n-gram proposer on an editing task (rewrite a given text with one substitution): the
-      output copies long spans of the prompt, the case prompt lookup is made for;
-  (b) draft model: SmolLM2-135M verified by itself with a draft made of a subset of its own
-      layers (`self:layers=...`, shared weights, own KV cache). Random-weight targets give
-      meaningless acceptance; this pair has real acceptance on real text with no second
-      checkpoint to carry. c (draft/target cost) is measured, not assumed.
-For each: acceptance alpha (solved from the mean tokens emitted per verifying step), c, K, the
+Each workload runs one engine; every row measures `use_speculation=False` requests (baseline)
+and speculative ones on the same engine, same prompts, greedy, and checks the outputs match.
+  (a) ngram: the n-gram proposer on an editing task with SmolLM2 (rewrite a given text with one
+      substitution: the output copies long spans of the prompt, what prompt lookup is made for);
+  (b) pair: a Llama-3-8B-shaped random bf16 target with a draft made of its own first L layers;
+      the target's later layers are scaled down so the pair agrees (bench/spec_pair.py says how;
+      the construction is recorded in the JSON);
+  (c) selfdraft (CPU notes only): SmolLM2 verified by a subset of its own layers.
+For each row: acceptance alpha (solved from the mean tokens emitted per verifying step), c (one
+draft token's proposer time / one plain decode step of the same batch, same run), K, the
 theoretical speedup (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1)) and measured / theoretical.
 
-    python -P bench/speculative.py --out bench/results               # CPU (or --device cuda)
-    python -P bench/speculative.py --device cuda --model /path/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -P bench/speculative.py --device cuda --model /path/smollm2.gguf --out OUT   # GPU: (a) + (b)
+    python -P bench/speculative.py --workloads pair --smoke --out /tmp/x                 # CPU smoke of (b)
 (-P: bench/operator.py must not shadow the stdlib `operator`.)
 """
 
@@ -26,7 +26,8 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,17 +44,18 @@ from pagedinfer.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedinfer.engine.spec_decode.factory import build_speculative_decoder  # noqa: E402
 
 
-def _load_throughput_lib():
+def _load_bench_module(name: str):
     # By path: bench/ holds operator.py, which must never shadow the stdlib module on sys.path.
-    path = Path(__file__).resolve().parent / "throughput_lib.py"
-    spec = importlib.util.spec_from_file_location("throughput_lib", path)
+    path = Path(__file__).resolve().parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["throughput_lib"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-run_engine_requests = _load_throughput_lib().run_engine_requests
+run_engine_requests = _load_bench_module("throughput_lib").run_engine_requests
+spec_pair = _load_bench_module("spec_pair")
 
 TEXTS = [
     "The committee met on Monday to review the budget. The committee approved the budget for the "
@@ -120,17 +122,57 @@ def decode_ms_per_token(run) -> float:
     return decode_ms / max(tokens_per_seq, 1e-9)
 
 
-def measure(llm: LLM, prompts: list[list[int]], max_tokens: int, k: int) -> dict:
-    core, spec = llm.core, llm.core.spec_decoder
+def prefix_fraction(a: list[int], b: list[int]) -> float:
+    """Tokens before the first difference over the longer length (1.0: identical)."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return n / max(len(a), len(b), 1)
+
+
+@dataclass
+class Workload:
+    """One engine and how to feed it: prompts per batch size and a speculative config per K."""
+
+    name: str
+    llm: LLM
+    prompts: Callable[[int], list[list[int]]]
+    spec_config: Callable[[int], SpeculativeConfig]
+    info: dict
+
+
+def set_speculation(llm: LLM, config: SpeculativeConfig, num_blocks: int) -> None:
+    """A fresh speculative decoder for this K; verification graphs recaptured for 1 + K."""
+    runner = llm.core.runner
+    spec = build_speculative_decoder(
+        config,
+        runner.model,
+        llm.tokenizer,
+        num_blocks=num_blocks,
+        block_size=16,
+        max_model_len=llm.max_model_len,
+        attention_backend=runner.config.attention_backend,
+    )
+    llm.core.spec_decoder = runner.spec_decoder = spec
+    if runner.graphs is not None and runner.config.num_speculative_tokens != config.num_speculative_tokens:
+        runner.config = replace(runner.config, num_speculative_tokens=config.num_speculative_tokens)
+        runner.graphs = None
+        runner.capture_cuda_graphs()
+
+
+def baseline(core, prompts: list[list[int]], max_tokens: int):
     plain = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, use_speculation=False)
     base = run_engine_requests(core, prompts, plain)
-    base_steps = sorted(s["ms"] for s in base.steps if s["pure_decode"])
-    base_step_ms = base_steps[len(base_steps) // 2]  # median plain decode step at this batch
+    steps = sorted(s["ms"] for s in base.steps if s["pure_decode"])
+    return base, steps[len(steps) // 2]  # the run, its median plain decode step (ms)
+
+
+def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_tokens: int, k: int) -> dict:
+    spec = core.spec_decoder
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, use_speculation=True)
     before = replace(spec.stats)
     timer = Timed(spec.proposer.propose)
     spec.proposer.propose = timer
     try:
-        fast = run_engine_requests(core, prompts, replace(plain, use_speculation=True))
+        fast = run_engine_requests(core, prompts, params)
     finally:
         del spec.proposer.propose  # back to the class method
     stats = spec.stats
@@ -145,15 +187,18 @@ def measure(llm: LLM, prompts: list[list[int]], max_tokens: int, k: int) -> dict
     theory = theoretical_speedup(alpha, k, c)
     base_ms, fast_ms = decode_ms_per_token(base), decode_ms_per_token(fast)
     measured = base_ms / fast_ms
+    same = [prefix_fraction(a, b) for a, b in zip(base.token_ids, fast.token_ids, strict=True)]
     return {
         "batch": len(prompts),
+        "k": k,
         "identical_outputs": base.token_ids == fast.token_ids,
+        "identical_prefix_fraction": round(statistics.mean(same), 4),
         "base_tok_s": round(base.output_tok_s, 2),
         "spec_tok_s": round(fast.output_tok_s, 2),
-        "base_ms_per_token": round(base_ms, 2),
-        "spec_ms_per_token": round(fast_ms, 2),
-        "base_decode_step_ms": round(base_step_ms, 2),
-        "k": k,
+        "base_ms_per_token": round(base_ms, 3),
+        "spec_ms_per_token": round(fast_ms, 3),
+        "base_decode_step_ms": round(base_step_ms, 3),
+        "proposer_ms_per_step": round(timer.median_s * 1e3, 3),
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_ratio": round(accepted / drafted, 4) if drafted else 0.0,
@@ -166,32 +211,86 @@ def measure(llm: LLM, prompts: list[list[int]], max_tokens: int, k: int) -> dict
     }
 
 
-def build(args) -> LLM:
-    config = EngineConfig(
-        model=args.model,
+def run_workload(
+    w: Workload, batches: list[int], ks: list[int], max_tokens: int, num_blocks: int
+) -> list[dict]:
+    core, rows = w.llm.core, []
+    warm = w.prompts(1)
+    bases = {}
+    for k in ks:
+        set_speculation(w.llm, w.spec_config(k), num_blocks)
+        baseline(core, warm, 8)  # warm-up: allocator, kernels, first-call costs
+        measure(core, warm, *baseline(core, warm, 8), 8, k)
+        for batch in batches:
+            prompts = w.prompts(batch)
+            if batch not in bases:
+                bases[batch] = baseline(core, prompts, max_tokens)
+            row = measure(core, prompts, *bases[batch], max_tokens, k)
+            rows.append(row)
+            print(w.name, json.dumps(row), flush=True)
+    return rows
+
+
+def _engine_config(args, model: str, dtype: str, spec: SpeculativeConfig) -> EngineConfig:
+    return EngineConfig(
+        model=model,
         cache=CacheConfig(block_size=16, num_blocks=args.num_blocks),
         scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=16),
-        device=DeviceConfig(device=args.device, dtype=args.dtype),
-        speculative=SpeculativeConfig(
-            method="ngram", num_speculative_tokens=args.k, ngram_min=1, ngram_max=3
-        ),
+        device=DeviceConfig(device=args.device, dtype=dtype),
+        speculative=spec,
     )
-    return LLM(config)
 
 
-def use_draft(llm: LLM, args) -> None:
-    """Swap the engine's speculative decoder for a draft-model one over the same target."""
-    runner = llm.core.runner
-    spec = build_speculative_decoder(
-        SpeculativeConfig(method="draft", num_speculative_tokens=args.k, draft_model=args.draft),
-        runner.model,
-        llm.tokenizer,
-        num_blocks=args.num_blocks,
-        block_size=16,
-        max_model_len=1024,
-        attention_backend=runner.config.attention_backend,
+def smollm2_workload(args, ks: list[int], method: str) -> Workload:
+    """(a) n-gram, or (c) a self-draft of SmolLM2's own layers, on the editing task."""
+
+    def spec_config(k: int) -> SpeculativeConfig:
+        if method == "ngram":
+            return SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3)
+        return SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=args.draft)
+
+    llm = LLM(_engine_config(args, args.model, args.dtype, spec_config(ks[0])))
+    encode = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    info = {"model": args.model, "draft": args.draft if method == "draft" else None}
+    return Workload(
+        method if method == "ngram" else "selfdraft",
+        llm,
+        lambda b: [encode(t) for t in tasks(b)],
+        spec_config,
+        info,
     )
-    llm.core.spec_decoder = runner.spec_decoder = spec
+
+
+def pair_workload(args, ks: list[int]) -> Workload:
+    """(b) the 8B-shaped target and its first-L-layers draft (see bench/spec_pair.py)."""
+    from pagedinfer.engine.engine_builder import assemble_engine
+    from pagedinfer.kernels import ops
+
+    shape = spec_pair.SMOKE if args.smoke else spec_pair.LLAMA3_8B
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    backend = ops.select_backend(torch.device(args.device), "auto")
+    model, construction = spec_pair.build_pair(
+        shape, args.draft_layers, args.target_agreement, args.device, dtype, backend
+    )
+    print("pair:", construction, flush=True)
+
+    def spec_config(k: int) -> SpeculativeConfig:
+        return SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=construction.draft)
+
+    config = _engine_config(
+        args, "random-llama-3-8b-shape", str(dtype).removeprefix("torch."), spec_config(ks[0])
+    )
+    llm = LLM(config, builder=lambda cfg: assemble_engine(cfg, model, None))
+    gen = torch.Generator().manual_seed(7)
+
+    def prompts(batch: int) -> list[list[int]]:
+        return [
+            torch.randint(0, shape.vocab_size, (args.prompt_len,), generator=gen).tolist()
+            for _ in range(batch)
+        ]
+
+    cached = {b: prompts(b) for b in sorted({1, *[int(x) for x in args.batches.split(",")]})}
+    return Workload("pair", llm, lambda b: cached[b], spec_config, {"construction": asdict(construction)})
 
 
 def main() -> None:
@@ -200,29 +299,39 @@ def main() -> None:
     )
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--model", default="builtin://smollm2-135m")
-    parser.add_argument("--draft", default="self:layers=0-9,20-29", help="draft spec for workload (b)")
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dtype", default="auto", help="dtype of the SmolLM2 workloads")
+    parser.add_argument("--model", default="builtin://smollm2-135m", help="SmolLM2 for (a) / (c)")
+    parser.add_argument("--workloads", default="ngram,pair", help="any of ngram, pair, selfdraft")
+    parser.add_argument("--draft", default="self:layers=0-9,20-29", help="draft spec of selfdraft")
+    parser.add_argument("--ks", default="4", help="K values, e.g. 2,4,6")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--draft-layers", type=int, default=2, help="pair: the draft is the first L layers")
+    parser.add_argument("--target-agreement", type=float, default=0.8, help="pair: teacher-forced agreement")
+    parser.add_argument("--prompt-len", type=int, default=128, help="pair: random prompt tokens")
+    parser.add_argument("--smoke", action="store_true", help="pair at toy size (CPU check of the code)")
     args = parser.parse_args()
-    llm = build(args)
     batches = [int(b) for b in args.batches.split(",")]
-    encode = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    warm = [encode(tasks(1)[0])]
+    ks = [int(k) for k in args.ks.split(",")]
     results: dict = {"machine": _machine(args), "workloads": {}}
-    for name in ("ngram", "draft"):
-        if name == "draft":
-            use_draft(llm, args)
-        measure(llm, warm, 8, args.k)  # warm-up: allocator, kernels, first-call costs
-        rows = []
-        for batch in batches:
-            row = measure(llm, [encode(t) for t in tasks(batch)], args.max_tokens, args.k)
-            rows.append(row)
-            print(name, json.dumps(row), flush=True)
-        results["workloads"][name] = {"draft": args.draft if name == "draft" else None, "rows": rows}
+    for name in args.workloads.split(","):
+        start = time.perf_counter()
+        try:
+            w = pair_workload(args, ks) if name == "pair" else smollm2_workload(args, ks, name)
+        except (ImportError, OSError, ValueError) as exc:  # ModelLoadError: no gguf, no SmolLM2 file
+            print(f"{name}: skipped, the model could not be built: {type(exc).__name__}: {exc}", flush=True)
+            results["workloads"][name] = {"skipped": f"{type(exc).__name__}: {exc}", "rows": []}
+            continue
+        rows = run_workload(w, batches, ks, args.max_tokens, args.num_blocks)
+        results["workloads"][name] = {
+            **w.info,
+            "rows": rows,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        del w
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculative.json").write_text(json.dumps(results, indent=2))
@@ -237,26 +346,31 @@ def _machine(args) -> dict:
         "device": device,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "model": args.model,
-        "k": args.k,
+        "smollm2_model": args.model,
+        "ks": args.ks,
         "max_tokens": args.max_tokens,
+        "greedy": True,
     }
 
 
 def _summary(results: dict) -> str:
-    lines = [f"speculative decoding on {results['machine']['device']} (K={results['machine']['k']}, greedy)"]
+    lines = [f"speculative decoding on {results['machine']['device']} (greedy)"]
     lines.append(
-        f"{'workload':8} {'B':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>13} {'alpha':>6} "
+        f"{'workload':9} {'B':>2} {'K':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>15} {'alpha':>6} "
         f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} same"
     )
     for name, workload in results["workloads"].items():
+        if "skipped" in workload:
+            lines.append(f"{name:9} skipped: {workload['skipped']}")
         for r in workload["rows"]:
             lines.append(
-                f"{name:8} {r['batch']:>2} {r['base_tok_s']:>10} {r['spec_tok_s']:>10} "
-                f"{r['base_ms_per_token']:>6}->{r['spec_ms_per_token']:<6} {r['alpha']:>6} {r['c']:>6} "
+                f"{name:9} {r['batch']:>2} {r['k']:>2} {r['base_tok_s']:>10} {r['spec_tok_s']:>10} "
+                f"{r['base_ms_per_token']:>7}->{r['spec_ms_per_token']:<7} {r['alpha']:>6} {r['c']:>6} "
                 f"{r['theoretical_speedup']:>6} {r['measured_speedup']:>6} "
                 f"{r['measured_over_theoretical']:>6} {r['identical_outputs']}"
             )
+        if "construction" in workload:
+            lines.append(f"  {name}: {workload['construction']}")
     return "\n".join(lines) + "\n"
 
 
@@ -272,16 +386,19 @@ def _plot(results: dict, path: Path) -> None:
     labels, base, fast = [], [], []
     for name, workload in results["workloads"].items():
         for r in workload["rows"]:
-            labels.append(f"{name}\nB={r['batch']}\nalpha={r['alpha']}")
+            labels.append(f"{name}\nB={r['batch']} K={r['k']}\na={r['alpha']} c={r['c']}")
             base.append(r["base_tok_s"])
             fast.append(r["spec_tok_s"])
+    if not labels:
+        return
     xs = range(len(labels))
-    fig, ax = plt.subplots(figsize=(1.8 * len(labels) + 2, 4))
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4.5))
     ax.bar([x - 0.2 for x in xs], base, 0.4, label="no speculation")
     ax.bar([x + 0.2 for x in xs], fast, 0.4, label="speculative")
-    ax.set_xticks(list(xs), labels)
+    ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Speculative decoding, {results['machine']['device']}, K={results['machine']['k']}")
+    ax.set_yscale("log")
+    ax.set_title(f"Speculative decoding, {results['machine']['device']}, greedy")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
