@@ -37,15 +37,22 @@ class ClassifiedError:
     kind: ErrorKind
     message: str
     retry_after_seconds: int | None = None
+    code: str | None = None  # OpenAI's machine-readable code (e.g. "model_not_found")
+    param: str | None = None  # the request field at fault
 
     @property
     def http_status(self) -> int:
         return HTTP_STATUS[self.kind]
 
+    @property
+    def openai_code(self) -> str | int:
+        """The `code` of an OpenAI error body: the specific code, else the HTTP status."""
+        return self.code or self.http_status
+
 
 def classify(exc: BaseException) -> ClassifiedError:
-    if isinstance(exc, ModelNotFoundError):
-        return ClassifiedError(ErrorKind.NOT_FOUND, str(exc))
+    if isinstance(exc, ModelNotFoundError):  # a bad input like any other (HTTP 400), OpenAI's code
+        return ClassifiedError(ErrorKind.INVALID, str(exc), code="model_not_found", param="model")
     if isinstance(exc, InvalidRequestError):
         return ClassifiedError(ErrorKind.INVALID, str(exc))
     if isinstance(exc, NotServingError):

@@ -26,7 +26,8 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 
 class ModelNotFoundError(InvalidRequestError):
-    """The request names a model this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
+    """The request names a model this server does not serve: a bad input (HTTP 400 with code
+    "model_not_found", gRPC INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True)

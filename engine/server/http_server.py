@@ -92,7 +92,7 @@ class AuthMiddleware:
 
 def error_response(err: ClassifiedError, param: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(err.retry_after_seconds)} if err.retry_after_seconds else None
-    body = error_body(err.message, err.kind.value, code=err.http_status, param=param)
+    body = error_body(err.message, err.kind.value, code=err.openai_code, param=param or err.param)
     return JSONResponse(body, status_code=err.http_status, headers=headers)
 
 

@@ -254,7 +254,7 @@ class OpenAIRoutes:
                     yield _sse({**base, "choices": [], **usage})
         except Exception as e:  # headers are sent: the error travels in the stream, OpenAI-style
             err = classify(e)
-            yield _sse(error_body(err.message, err.kind.value, code=err.http_status))
+            yield _sse(error_body(err.message, err.kind.value, code=err.openai_code, param=err.param))
         finally:
             await stream.aclose()
         yield "data: [DONE]\n\n"

@@ -67,7 +67,7 @@ def _error_msg(err: ClassifiedError, gen_id: str | None) -> dict[str, Any]:
     return {
         "type": "error",
         "id": gen_id,
-        "error": {"message": err.message, "type": err.kind.value, "code": err.http_status},
+        "error": {"message": err.message, "type": err.kind.value, "code": err.openai_code},
     }
 
 

@@ -154,7 +154,7 @@ BAD = [
         pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[-5])),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
-    ("unknown model", pb.GenerateRequest(prompt="hi", model="nope"), grpc.StatusCode.NOT_FOUND),
+    ("unknown model", pb.GenerateRequest(prompt="hi", model="nope"), grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 

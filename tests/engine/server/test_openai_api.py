@@ -171,7 +171,7 @@ BAD_REQUESTS = [
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "empty"),
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
-    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
+    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 400, "does not exist"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     (
@@ -213,8 +213,19 @@ def test_malformed_and_oversized_bodies(server, case, content, status) -> None:
 def test_sdk_maps_errors(client, model) -> None:
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="hi", max_tokens=0)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as err:  # an unknown model is a bad input (issue 5)
         client.completions.create(model="nope", prompt="hi")
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_model_is_400_with_openai_error_shape(server, stream) -> None:
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    r = httpx.post(f"{server.http}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert error["code"] == "model_not_found" and error["type"] == "invalid_request_error"
+    assert error["param"] == "model" and "no-such-model" in error["message"]
 
 
 def test_overload_answers_429_with_retry_after(server, model) -> None:
