@@ -11,9 +11,15 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pagedinfer.engine.core.scheduler import Scheduler
-from pagedinfer.engine.core.scheduler_output import StepStats
+from pagedinfer.engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SequenceUpdate,
+    StepStats,
+)
 from pagedinfer.engine.errors import EngineOverloadedError
 from pagedinfer.engine.output_processor import OutputProcessor
 from pagedinfer.engine.outputs import RequestOutput
@@ -23,6 +29,17 @@ from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParam
 logger = logging.getLogger(__name__)
 
 StepListener = Callable[[StepStats], None]
+
+
+@dataclass
+class _Pending:
+    """A finished step whose outputs and stats are produced during the next step's forward."""
+
+    sched: SchedulerOutput
+    result: ModelRunnerOutput
+    updates: list[SequenceUpdate]
+    finished: list[Request]
+    snapshot: StepStats  # gauges taken at the end of the step
 
 
 class EngineCore:
@@ -50,7 +67,7 @@ class EngineCore:
         self.max_model_len = scheduler.max_model_len
         self.outputs = OutputProcessor(tokenizer, scheduler)
         self._listeners: list[StepListener] = []
-        self._pending: tuple[list, list] | None = None  # (updates, finished) awaiting outputs
+        self._pending: _Pending | None = None  # the last step, awaiting outputs and accounting
         self._rng = random.Random(seed)
         self._next_seq_id = 0
         self._step = 0
@@ -148,28 +165,48 @@ class EngineCore:
         updates = self.scheduler.update(sched, result)
         if self.spec_decoder is not None:  # learn acceptance, draft the next step's tokens
             self.spec_decoder.after_step(sched, result, self.scheduler.running)
-        self._pending = (updates, self.scheduler.take_finished())
+        self._step += 1
+        self._pending = _Pending(sched, result, updates, self.scheduler.take_finished(), self._snapshot())
+        self._pending.snapshot.step_time_s = time.perf_counter() - start
         if not self.scheduler.has_unfinished():
             outputs += self._flush_pending()
-        self._step += 1
-        self._account(sched, updates, result, time.perf_counter() - start, len(outputs))
         return outputs
 
     def _flush_pending(self) -> list[RequestOutput]:
+        """Outputs and step accounting of the last step: nothing here decides the next batch."""
         if self._pending is None:
             return []
-        updates, finished = self._pending
-        self._pending = None
-        return self.outputs.process(updates, finished)
+        pending, self._pending = self._pending, None
+        self._account(pending)
+        return self.outputs.process(pending.updates, pending.finished)
+
+    def _snapshot(self) -> StepStats:
+        """The step's gauges now; its per-sequence counts are filled in by `_account` later."""
+        return StepStats(
+            step=self._step,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_scheduled_tokens=0,
+            num_prompt_tokens=0,
+            num_generation_tokens=0,
+            num_preemptions=self.scheduler.num_preemptions_step,
+            num_finished=0,
+            num_draft_tokens=0,
+            num_accepted_tokens=0,
+            kv_cache_usage=self.scheduler.kv.usage,
+        )
 
     def add_step_listener(self, callback: StepListener) -> None:
         self._listeners.append(callback)
 
-    def _account(self, sched, updates, result, elapsed: float, num_outputs: int) -> None:
+    def _account(self, pending: _Pending) -> None:
+        sched, updates, stats = pending.sched, pending.updates, pending.snapshot
         num_gen = sum(len(u.new_token_ids) for u in updates)
+        # Decodes (computed >= prompt) add no prompt tokens.
         num_prompt = sum(
-            max(min(s.num_computed_tokens + s.num_new_tokens, s.num_prompt_tokens) - s.num_computed_tokens, 0)
+            max(min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens, 0)
             for s in sched.sequences
+            if s.num_computed_tokens < s.num_prompt_tokens
         )
         self.num_generation_tokens_total += num_gen
         self.num_prompt_tokens_total += num_prompt
@@ -179,21 +216,13 @@ class EngineCore:
             self._recent.pop(0)
         if not self._listeners:
             return
-        stats = StepStats(
-            step=self._step,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_scheduled_tokens=sched.num_scheduled_tokens,
-            num_prompt_tokens=num_prompt,
-            num_generation_tokens=num_gen,
-            num_preemptions=self.scheduler.num_preemptions_step,
-            num_finished=sum(1 for u in updates if u.is_finished),
-            num_draft_tokens=result.num_draft_tokens,
-            num_accepted_tokens=result.num_accepted_tokens,
-            kv_cache_usage=self.scheduler.kv.usage,
-            step_time_s=elapsed,
-            batch_size=len(sched.sequences),
-        )
+        stats.num_scheduled_tokens = sched.num_scheduled_tokens
+        stats.num_prompt_tokens = num_prompt
+        stats.num_generation_tokens = num_gen
+        stats.num_finished = sum(1 for u in updates if u.is_finished)
+        stats.num_draft_tokens = pending.result.num_draft_tokens
+        stats.num_accepted_tokens = pending.result.num_accepted_tokens
+        stats.batch_size = len(sched.sequences)
         for callback in self._listeners:
             try:
                 callback(stats)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pagedinfer.engine.outputs import FinishReason
 from pagedinfer.engine.sampling_params import SamplingParams
@@ -96,3 +97,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """Token ids that may stop this sequence (EOS unless ignored, stop_token_ids); the exact
+        rules, min_tokens included, are in stop_checker.check_token_stop."""
+        params = self.sampling_params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return frozenset((*eos, *params.stop_token_ids))

@@ -48,6 +48,7 @@ class Scheduler:
         self._admit_counter = 0
         self._finished: list[Request] = []  # finished outside update(): errors, aborts
         self._pending_copies: list[tuple[int, int]] = []  # COW copies owed to the next step
+        self._running_sorted = True  # running is in (priority desc, admit order) order
         self.num_preemptions_total = 0
         self.num_preemptions_step = 0
 
@@ -163,7 +164,9 @@ class Scheduler:
         copies: list[tuple[int, int]],
         preempted: list[int],
     ) -> int:
-        self.running.sort(key=lambda r: (-r.priority, r.admit_order))
+        if not self._running_sorted:  # only appends (admission, forks) can break the order
+            self.running.sort(key=lambda r: (-r.priority, r.admit_order))
+            self._running_sorted = True
         fast = self._schedule_running_batched(budget, scheduled, copies)
         if fast is not None:
             return fast
@@ -185,18 +188,31 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]]
     ) -> int | None:
         """The common case in one KV call: every planned sequence gets its slots, or None."""
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[Request, int, list[int] | None]] = []
         seq_ids: list[int] = []
         counts: list[int] = []
         new_ids: list[int] = []
+        max_len = self.max_model_len
         for seq in self.running:
             if budget <= 0:
                 break
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0:
-                continue
-            ids = seq.token_ids_range(seq.num_kv_tokens, seq.num_computed_tokens + num_new)
-            plan.append((seq, num_new))
+            computed = seq.num_computed_tokens
+            out = seq.output_token_ids
+            if (
+                out
+                and seq.num_kv_tokens == computed
+                and computed + 1 == len(seq.prompt_token_ids) + len(out)
+                and computed < max_len
+                and not seq.spec_token_ids
+            ):
+                num_new, ids = 1, out[-1:]  # a plain decode: the last sampled token, nothing else
+            else:
+                num_new = self._num_new_tokens(seq, budget)
+                if num_new == 0:
+                    continue
+                ids = seq.token_ids_range(seq.num_kv_tokens, computed + num_new)
+            # The KV tokens are the step's inputs exactly when no KV was reserved ahead of them.
+            plan.append((seq, num_new, ids if seq.num_kv_tokens == computed else None))
             seq_ids.append(seq.seq_id)
             counts.append(len(ids))
             new_ids.extend(ids)
@@ -205,9 +221,9 @@ class Scheduler:
         if result is None:
             return None
         copies.extend(result)
-        for (seq, num_new), count in zip(plan, counts, strict=True):
+        for (seq, num_new, inputs), count in zip(plan, counts, strict=True):
             seq.num_kv_tokens += count
-            scheduled.append(self._scheduled(seq, num_new))
+            scheduled.append(self._scheduled(seq, num_new, inputs))
         return budget
 
     def _reserve_slots(
@@ -302,57 +318,66 @@ class Scheduler:
         seq.admit_order = self._admit_counter
         self._admit_counter += 1
         self.running.append(seq)
+        self._running_sorted = False
 
-    def _scheduled(self, seq: Request, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Request, num_new: int, token_ids: list[int] | None = None) -> ScheduledSequence:
+        """`token_ids`, when given, are the inputs [computed, computed + num_new) already sliced."""
         start = seq.num_computed_tokens
         end = start + num_new
-        num_spec = max(end - seq.num_tokens, 0)
-        sample = forks = None
-        if end >= seq.num_tokens:
+        num_tokens = seq.num_tokens
+        sample = None
+        forks: tuple[SamplingRow, ...] = ()
+        if end >= num_tokens:
             sample = self._sampling_row(seq)
-            forks = tuple(self._sampling_row(c) for c in seq.pending_children)
+            if seq.pending_children:
+                forks = tuple(self._sampling_row(c) for c in seq.pending_children)
+        if token_ids is None:
+            token_ids = seq.token_ids_range(start, end)
+        # Positional: this runs once per sequence per step.
         return ScheduledSequence(
-            seq_id=seq.seq_id,
-            token_ids=seq.token_ids_range(start, end),
-            num_computed_tokens=start,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_spec_tokens=num_spec,
-            sample=sample,
-            fork_rows=forks or (),
+            seq.seq_id, token_ids, start, len(seq.prompt_token_ids), max(end - num_tokens, 0), sample, forks
         )
 
     @staticmethod
     def _sampling_row(seq: Request) -> SamplingRow:
+        # seq_id, sampling_params, seed, output_position, prompt_token_ids, output_token_ids
         return SamplingRow(
-            seq_id=seq.seq_id,
-            sampling_params=seq.sampling_params,
-            seed=seq.seed,
-            output_position=seq.num_output_tokens,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            seq.seq_id,
+            seq.sampling_params,
+            seq.seed,
+            len(seq.output_token_ids),
+            seq.prompt_token_ids,
+            seq.output_token_ids,
         )
 
     # ---- update -------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
         """Apply a step's results: advance computed tokens, fork, append, stop, free."""
+        by_seq_id = self._by_seq_id
+        running = RequestStatus.RUNNING
+        live: list[Request] = []  # scheduled and still running (not aborted or stopped meanwhile)
+        num_spec: dict[int, int] = {}  # seq_id -> drafts verified this step, where any
         for s in sched.sequences:
-            seq = self._by_seq_id.get(s.seq_id)
-            if seq is not None and seq.status is RequestStatus.RUNNING:
-                seq.num_computed_tokens += s.num_new_tokens
+            seq = by_seq_id.get(s.seq_id)
+            if seq is not None and seq.status is running:
+                seq.num_computed_tokens += len(s.token_ids)
                 if s.fork_rows and s.sample is not None:
                     self._fork_children(seq)
-        num_spec = {s.seq_id: s.num_spec_tokens for s in sched.sequences}
-        for fork_parent in sched.sequences:
-            for row in fork_parent.fork_rows:
-                num_spec[row.seq_id] = 0
-        updates = [self._apply_sampled(st, num_spec.get(st.seq_id, 0)) for st in result.sampled]
-        updates = [u for u in updates if u is not None]
-        live = [self._by_seq_id[s.seq_id] for s in sched.sequences if s.seq_id in self._by_seq_id]
-        live = [r for r in live if r.status is RequestStatus.RUNNING]
-        self.kv.mark_computed([r.seq_id for r in live], [r.num_computed_tokens for r in live])
+                live.append(seq)
+            if s.num_spec_tokens:
+                num_spec[s.seq_id] = s.num_spec_tokens
+        updates: list[SequenceUpdate] = []
+        for st in result.sampled:
+            u = self._apply_sampled(st, num_spec.get(st.seq_id, 0) if num_spec else 0)
+            if u is not None:
+                updates.append(u)
+        if live:
+            self.kv.mark_computed([r.seq_id for r in live], [r.num_computed_tokens for r in live])
         for u in updates:
-            seq = self._by_seq_id.get(u.seq_id)
-            if u.is_finished and seq is not None and seq.status is RequestStatus.RUNNING:
+            if not u.is_finished:
+                continue
+            seq = by_seq_id.get(u.seq_id)
+            if seq is not None and seq.status is running:
                 self.kv.free(seq.seq_id)
                 self.running.remove(seq)
                 seq.status = RequestStatus.FINISHED
@@ -371,6 +396,7 @@ class Scheduler:
             child.admit_order = self._admit_counter
             self._admit_counter += 1
             self.running.append(child)
+            self._running_sorted = False
         leader.pending_children = []
 
     def _apply_sampled(self, sampled: SampledTokens, num_spec: int) -> SequenceUpdate | None:
@@ -383,18 +409,34 @@ class Scheduler:
             seq.num_computed_tokens -= num_rejected
             self._pending_copies += self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
             seq.num_kv_tokens = seq.num_computed_tokens
-        seq.spec_token_ids = []
-        new_ids: list[int] = []
-        for token_id in sampled.token_ids:
-            seq.output_token_ids.append(token_id)
-            new_ids.append(token_id)
-            decision = check_token_stop(seq, self.max_model_len)
-            if decision is not None:
-                seq.finish_reason, seq.stop_reason = decision.reason, decision.stop_reason
-                break
+        if seq.spec_token_ids:
+            seq.spec_token_ids = []
+        token_ids = sampled.token_ids
+        if len(token_ids) == 1 and not self._may_stop(seq, token_ids[0]):
+            seq.output_token_ids.append(token_ids[0])  # the common case: one token, no stop
+            new_ids = token_ids
+        else:
+            new_ids = []
+            for token_id in token_ids:
+                seq.output_token_ids.append(token_id)
+                new_ids.append(token_id)
+                decision = check_token_stop(seq, self.max_model_len)
+                if decision is not None:
+                    seq.finish_reason, seq.stop_reason = decision.reason, decision.stop_reason
+                    break
         if seq.first_token_time is None:
             seq.first_token_time = self.clock()
         logprobs = sampled.logprobs[: len(new_ids)] if sampled.logprobs is not None else None
         return SequenceUpdate(
             seq.seq_id, seq.request_id, seq.index, new_ids, logprobs, seq.finish_reason is not None
+        )
+
+    def _may_stop(self, seq: Request, token_id: int) -> bool:
+        """A cheap superset of `check_token_stop` for appending `token_id` (False: it cannot stop)."""
+        num_output = len(seq.output_token_ids) + 1
+        max_tokens = seq.sampling_params.max_tokens
+        return (
+            token_id in seq.stop_token_set
+            or num_output >= self.max_model_len - len(seq.prompt_token_ids)
+            or (max_tokens is not None and num_output >= max_tokens)
         )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedinfer.engine.core.scheduler_output import SamplingRow
+from pagedinfer.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -54,6 +56,41 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """Gather the rows' parameters into tensors (one host->device copy per field)."""
     params = [r.sampling_params for r in rows]
+    return _with_row_state(_param_tensors(params, vocab_size, device), rows, eos_token_ids, device)
+
+
+class SamplingMetadataBuilder:
+    """`build_sampling_metadata` that reuses the parameter tensors while the batch's parameters
+    are unchanged (steady decode: same sequences in the same order), so a step rebuilds only
+    what moves with the rows' positions (seeds, penalties, min_tokens bans)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._params: list[SamplingParams] | None = None  # held: equal by identity, then value
+        self._tensors: _ParamTensors | None = None
+
+    def build(
+        self, rows: Sequence[SamplingRow], eos_token_ids: Sequence[Sequence[int]] | None = None
+    ) -> SamplingMetadata:
+        params = [r.sampling_params for r in rows]
+        if self._tensors is None or params != self._params:  # list == checks identity first, in C
+            self._params = params
+            self._tensors = _param_tensors(params, self.vocab_size, self.device)
+        return _with_row_state(self._tensors, rows, eos_token_ids, self.device)
+
+
+@dataclass
+class _ParamTensors:
+    """The part of the metadata that depends only on the rows' SamplingParams."""
+
+    meta: SamplingMetadata  # seeds, penalties and bans unset
+    greedy: list[bool]
+    any_penalty: bool
+    any_min_tokens: bool
+
+
+def _param_tensors(params: list[SamplingParams], vocab_size: int, device: torch.device) -> _ParamTensors:
     greedy = [p.temperature == 0.0 for p in params]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     logprobs = [p.logprobs for p in params]
@@ -79,14 +116,36 @@ def build_sampling_metadata(
         max_num_logprobs=max((n for n in logprobs if n is not None), default=-1),
         num_logprobs=logprobs,
     )
+    return _ParamTensors(
+        meta,
+        greedy,
+        any_penalty=any(_has_penalty(p) for p in params),
+        any_min_tokens=any(p.min_tokens > 0 for p in params),
+    )
+
+
+def _with_row_state(
+    tensors: _ParamTensors,
+    rows: Sequence[SamplingRow],
+    eos_token_ids: Sequence[Sequence[int]] | None,
+    device: torch.device,
+) -> SamplingMetadata:
+    """A fresh metadata object (the shared tensors are never written) plus per-row state."""
+    meta = dataclasses.replace(tensors.meta)
+    greedy = tensors.greedy
     seeded = [i for i, r in enumerate(rows) if r.seed is not None and not greedy[i]]
     if seeded:
-        meta.seeded_rows = dev(seeded, torch.int64)
-        meta.seeds = dev([rows[i].seed & ((1 << 63) - 1) for i in seeded], torch.int64)
-        meta.positions = dev([rows[i].output_position for i in seeded], torch.int64)
-    if any(_has_penalty(p) for p in params):
+        meta.seeded_rows = _to_device(torch.tensor(seeded, dtype=torch.int64), device)
+        meta.seeds = _to_device(
+            torch.tensor([rows[i].seed & ((1 << 63) - 1) for i in seeded], dtype=torch.int64), device
+        )
+        meta.positions = _to_device(
+            torch.tensor([rows[i].output_position for i in seeded], dtype=torch.int64), device
+        )
+    if tensors.any_penalty:
         meta.penalties = _penalty_tensors(rows, device)
-    _add_min_token_bans(meta, rows, eos_token_ids, device)
+    if tensors.any_min_tokens:  # otherwise no row is below its min_tokens
+        _add_min_token_bans(meta, rows, eos_token_ids, device)
     return meta
 
 

@@ -25,7 +25,7 @@ from pagedinfer.engine.core.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagedinfer.engine.sample.metadata import SamplingMetadata, build_sampling_metadata
+from pagedinfer.engine.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
 from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch
@@ -49,7 +49,7 @@ class RunnerConfig:
     max_verify_seqs: int | None = None  # speculation is off above this batch size: no graphs there
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per sequence per step, and a frozen __init__ costs 3x
 class VerifyGroup:
     """Rows [first_row, first_row + 1 + len(draft_token_ids)) belong to one sequence."""
 
@@ -110,6 +110,7 @@ class ModelRunner:
             backend=config.attention_backend,
         )
         self.sampler = Sampler()
+        self.sampling_metadata = SamplingMetadataBuilder(self.vocab_size, config.device)
         self.verifier: Verifier = PrefixMatchVerifier()
         self.spec_decoder = None  # spec_decode.SpeculativeDecoder: samples steps that carry drafts
         self.graphs: CudaGraphRunner | None = None
@@ -162,7 +163,7 @@ class ModelRunner:
             return PendingStep(start, rows, groups, None, None, None)
         # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
         eos = [self.config.eos_token_ids] * len(rows)
-        meta = build_sampling_metadata(rows, self.vocab_size, self.config.device, eos)
+        meta = self.sampling_metadata.build(rows, eos)
         logits = self.model.compute_logits(hidden[inputs.attn_metadata.logits_indices])  # [N, V]
         if self.spec_decoder is not None and any(g.draft_token_ids for g in groups):
             return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect
@@ -194,6 +195,8 @@ class ModelRunner:
         self, sched: SchedulerOutput
     ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
         qsl = sched.layout.query_start_loc
+        if not any(s.num_spec_tokens or s.fork_rows for s in sched.sequences):
+            return self._decode_sampling_plan(sched)
         logits_rows: list[int] = []
         rows: list[SamplingRow] = []
         groups: list[VerifyGroup] = []
@@ -219,10 +222,25 @@ class ModelRunner:
                 rows.append(fork)
         return np.asarray(logits_rows, dtype=np.int64), rows, groups
 
+    @staticmethod
+    def _decode_sampling_plan(
+        sched: SchedulerOutput,
+    ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
+        """`_sampling_plan` without drafts or forks: one row per sampling sequence, its last token."""
+        last = sched.layout.query_start_loc[1:].astype(np.int64) - 1  # [B]
+        rows = [s.sample for s in sched.sequences if s.sample is not None]
+        if len(rows) < len(sched.sequences):
+            last = last[np.fromiter((s.sample is not None for s in sched.sequences), bool, len(last))]
+        return last, rows, [VerifyGroup(r.seq_id, i, []) for i, r in enumerate(rows)]
+
     def _collect(
         self, out: SamplerOutput, rows: list[SamplingRow], groups: list[VerifyGroup], num_logprobs: list
     ) -> ModelRunnerOutput:
         sampled = out.token_ids.tolist()  # the step's one device sync
+        if out.logprobs is None and len(sampled) == len(groups):  # no drafts (one row per group)
+            return ModelRunnerOutput(
+                [SampledTokens(g.seq_id, [t]) for g, t in zip(groups, sampled, strict=True)]
+            )
         accepted = self.verifier.verify(sampled, groups)
         lp = None
         if out.logprobs is not None:

@@ -1,0 +1,185 @@
+"""Host (Python) cost of one steady-state decode step, with a stub model of negligible cost.
+
+On the GPU, the step's host work that does not overlap the forward pass (collect -> update ->
+schedule -> prepare -> replay) leaves the GPU idle; at batch 256 it was ~7 ms of a 17.7 ms step
+(bench/NOTES.md). This script drives the real EngineCore (scheduler, KV manager, model runner,
+sampler, output processor) on the CPU with a stub model whose forward is a few tiny tensor ops,
+and splits each step's wall time into:
+  - critical: host work the GPU would wait for (step - overlap - model stub),
+  - overlap: between launch() returning and collect() starting (runs while the GPU works),
+  - model: the stub forward + logits (excluded).
+
+    OMP_NUM_THREADS=1 python bench/host_overhead.py --out bench/results [--baseline FILE]
+
+Prints ms per step at batch 1/64/256 and, given a baseline JSON, the ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedinfer.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from pagedinfer.engine.engine_builder import assemble_engine
+from pagedinfer.engine.sampling_params import SamplingParams
+
+VOCAB = 512
+
+
+class StubModel(torch.nn.Module):
+    """Greedy-deterministic fake LM: the next token is a hash of (input id, position)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.seconds = 0.0
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+        t0 = time.thread_time()
+        hidden = ((input_ids * 31 + positions) % self.config.vocab_size).float()[:, None]  # [T, 1]
+        self.seconds += time.thread_time() - t0
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        t0 = time.thread_time()
+        token = (hidden.long() * 7 + 3) % self.config.vocab_size  # [N, 1]
+        logits = torch.zeros(hidden.shape[0], self.config.vocab_size).scatter_(1, token, 1.0)  # [N, V]
+        self.seconds += time.thread_time() - t0
+        return logits
+
+
+def build(batch: int):
+    mc = ModelConfig(
+        architecture="llama",
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+    )
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=batch * 40 + 64),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max(batch, 1), max_num_batched_tokens=8192, max_model_len=4096
+        ),
+        device=DeviceConfig(device="cpu", dtype="float32"),
+    )
+    model = StubModel(mc)
+    return assemble_engine(cfg, model).core, model
+
+
+class _Timer:
+    """Wraps bound methods on an instance to timestamp their entry and exit."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+
+    def wrap(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            self.marks[name + ".start"] = time.thread_time()
+            out = fn(*args, **kwargs)
+            self.marks[name + ".end"] = time.thread_time()
+            return out
+
+        setattr(obj, name, timed)
+
+
+def measure(batch: int, num_steps: int, prompt_len: int = 64, seed: int = 0) -> dict:
+    core, model = build(batch)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(f"r{i}", torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist(), params)
+    while core.scheduler.waiting or any(r.num_output_tokens < 2 for r in core.scheduler.running):
+        core.step()
+    for _ in range(5):
+        core.step()
+    timer = _Timer()
+    for name in ("launch", "collect"):
+        timer.wrap(core.runner, name)
+    for name in ("schedule", "update"):
+        timer.wrap(core.scheduler, name)
+    rows = []
+    for _ in range(num_steps):
+        model.seconds = 0.0
+        t0 = time.thread_time()
+        core.step()
+        total = time.thread_time() - t0
+        m = timer.marks
+        overlap = m["collect.start"] - m["launch.end"]
+        rows.append(
+            {
+                "step": total,
+                "overlap": overlap,
+                "model": model.seconds,
+                "critical": total - overlap - model.seconds,
+                "schedule": m["schedule.end"] - m["schedule.start"],
+                "launch": m["launch.end"] - m["launch.start"] - model.seconds,
+                "collect": m["collect.end"] - m["collect.start"],
+                "update": m["update.end"] - m["update.start"],
+            }
+        )
+    assert len(core.scheduler.running) == batch, "the batch must stay whole while measuring"
+    return {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3, help="best median of this many runs")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default="host_overhead_cpu")
+    parser.add_argument("--baseline", type=Path, default=None, help="a previous JSON to compare with")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    gc.collect()
+    results = {}
+    for batch in args.batches:
+        runs = [measure(batch, args.steps) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r["critical"])
+        results[str(batch)] = best
+        line = ", ".join(f"{k} {v:.3f}" for k, v in best.items())
+        print(f"batch {batch:4d}: ms/step {line}")
+    baseline = json.loads(args.baseline.read_text())["results"] if args.baseline else None
+    if baseline:
+        for batch, r in results.items():
+            if batch in baseline:
+                before = baseline[batch]["critical"]
+                print(
+                    f"batch {batch:>4}: critical host ms {before:.3f} -> {r['critical']:.3f} "
+                    f"({before / r['critical']:.1f}x less)"
+                )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        doc = {"unit": "ms per decode step (median)", "torch_threads": 1, "results": results}
+        if baseline:
+            doc["baseline"] = baseline
+        (args.out / f"{args.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
