@@ -117,10 +117,15 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual, backend=attn_metadata.backend)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (only the rows that need logits) -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] (only the rows that need logits) -> logits [N, vocab] float32.
+
+        upcast=False keeps the GEMM's dtype (no [N, vocab] fp32 copy): enough for plain greedy
+        sampling, whose argmax is the same on the half-precision values (Sampler.process).
+        """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)  # [N, vocab] in the model dtype
+        return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set.

@@ -51,13 +51,24 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
+def is_plain_greedy(meta: SamplingMetadata) -> bool:
+    """All rows greedy with nothing that edits logits: the tokens are the raw logits' argmax.
+
+    Exact on half-precision logits too: upcasting to fp32 keeps the order and the first maximum,
+    so such a batch needs neither LlamaForCausalLM.compute_logits' upcast nor process()'s copy.
+    """
+    return meta.all_greedy and meta.penalties is None and meta.ban_rows is None
+
+
 class Sampler:
     """`process()` gives the logits the tokens are drawn from (shared with speculative
     verification); `forward()` samples them and gathers logprobs."""
 
     def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [N, V] fp32 -> penalized, banned, temperature-scaled and filtered [N, V]."""
-        logits = logits.float().clone()
+        """logits [N, V] -> penalized, banned, temperature-scaled and filtered [N, V] fp32."""
+        # Penalties and bans write in place: copy then; otherwise nothing below writes into it.
+        edits = meta.penalties is not None or meta.ban_rows is not None
+        logits = logits.float().clone() if edits else logits.float()
         if meta.penalties is not None:
             p = meta.penalties
             logits = apply_penalties(
@@ -85,7 +96,10 @@ class Sampler:
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of logits [N, V]; logprobs are the model's raw ones."""
-        token_ids = self.draw(self.process(logits, meta), meta)
+        if is_plain_greedy(meta):  # argmax straight on the GEMM output: no [N, V] copies
+            token_ids = logits.argmax(dim=-1)  # [N]
+        else:
+            token_ids = self.draw(self.process(logits, meta), meta)
         if meta.max_num_logprobs < 0:
             return SamplerOutput(token_ids)
         logprobs = logits.float().log_softmax(dim=-1)  # [N, V]

@@ -140,3 +140,28 @@ def test_logprobs_are_raw_model_logprobs():
     assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
     assert out.top_token_ids.shape == (2, 3)
     assert torch.equal(out.top_token_ids[0], ref[0].topk(3).indices)
+
+
+def test_plain_greedy_takes_argmax_of_half_precision_logits():
+    # bf16 rounding creates ties: the fast path must still pick the fp32 upcast's first maximum.
+    logits = (torch.randn(64, V) * 0.01).to(torch.bfloat16)
+    logits[3, [7, 20]] = logits[3].max() + 1  # an exact tie: the first index wins
+    m = meta([row(i, temperature=0) for i in range(64)])
+    out = Sampler()(logits, m)
+    assert torch.equal(out.token_ids, logits.float().argmax(-1)) and int(out.token_ids[3]) == 7
+    penalized = meta([row(0, out=[7], pos=1, temperature=0, presence_penalty=2.0)])
+    assert int(Sampler()(logits[3:4], penalized).token_ids[0]) == 20  # the slow path still applies
+
+
+def test_process_never_writes_into_the_logits():
+    logits = torch.randn(2, V)
+    before = logits.clone()
+    rows = [
+        row(0, out=[1, 1], pos=2, temperature=0, frequency_penalty=1.0),
+        row(1, pos=0, min_tokens=3, temperature=0),
+    ]
+    processed = Sampler().process(logits, meta(rows, [[4], [4]]))
+    assert processed.dtype == torch.float32 and torch.equal(logits, before)
+    assert processed[1, 4] == float("-inf") and processed[0, 1] < logits[0, 1]
+    greedy = Sampler().process(logits.bfloat16(), meta([row(0, temperature=0), row(1, temperature=0)]))
+    assert greedy.dtype == torch.float32  # process() keeps its fp32 contract
