@@ -156,6 +156,8 @@ def set_speculation(llm: LLM, config: SpeculativeConfig, num_blocks: int) -> Non
         runner.config = replace(runner.config, num_speculative_tokens=config.num_speculative_tokens)
         runner.graphs = None
         runner.capture_cuda_graphs()
+    if runner.graphs is not None:
+        spec.capture_cuda_graphs(runner.config.max_num_seqs)  # the draft model's steps
 
 
 def baseline(core, prompts: list[list[int]], max_tokens: int):

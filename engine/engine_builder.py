@@ -16,7 +16,12 @@ from pagedinfer.engine.config import EngineConfig
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.core.scheduler import Scheduler
 from pagedinfer.engine.engine_core import EngineCore
-from pagedinfer.engine.spec_decode.factory import build_speculative_decoder
+from pagedinfer.engine.spec_decode.factory import (
+    build_speculative_decoder,
+    draft_block_bytes,
+    draft_blocks_per_seq,
+    load_draft_model,
+)
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.model_runner import ModelRunner, RunnerConfig
 from pagedinfer.kernels import ops
@@ -54,7 +59,7 @@ def assemble_engine(
     config: EngineConfig, model, tokenizer=None, on_phase: Callable[[str], None] = lambda phase: None
 ) -> BuiltEngine:
     """Everything around an already loaded model (benchmarks pass random-weight models here)."""
-    from pagedinfer.engine.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+    from pagedinfer.engine.worker.kv_cache import CompanionPool, allocate_kv_caches, determine_num_blocks
 
     mc = model.config
     device, dtype = model.device, model.dtype
@@ -65,7 +70,12 @@ def assemble_engine(
 
     on_phase("allocating_kv_cache")
     profile = _profile_fn(model, mc, config, device, dtype, backend) if device.type == "cuda" else None
-    num_blocks = determine_num_blocks(mc, config.cache, device, dtype, profile) - 1  # one scratch block
+    # The draft model (weights now, KV blocks with the target's) comes out of the same budget.
+    draft = load_draft_model(spec_cfg, model, tokenizer)
+    per_seq = draft_blocks_per_seq(spec_cfg, block_size, max_model_len)
+    draft_pool = CompanionPool(draft_block_bytes(draft, block_size, dtype), spec_cfg.max_batch_size * per_seq)
+    num_blocks = determine_num_blocks(mc, config.cache, device, dtype, profile, companion=draft_pool)
+    num_blocks -= 1  # the target's scratch block
     if num_blocks < 1:
         raise ValueError("no room for the KV cache")
     kv_caches = allocate_kv_caches(mc, num_blocks + 1, block_size, device, dtype)
@@ -105,7 +115,10 @@ def assemble_engine(
         block_size=block_size,
         max_model_len=max_model_len,
         attention_backend=backend,
+        draft_model=draft,
     )
+    if spec is not None and runner.graphs is not None:
+        spec.capture_cuda_graphs(sched_cfg.max_num_seqs)  # the draft model's steps
     core = EngineCore(
         scheduler,
         runner,

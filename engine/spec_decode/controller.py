@@ -51,6 +51,12 @@ class SpeculativeDecoder:
         self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, V] q of its pending drafts
         self._known: set[int] = set()  # seq ids the proposer may hold state for
 
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        """CUDA graphs for the proposer's own model steps, when it runs a model (CUDA only)."""
+        capture = getattr(self.proposer, "capture_cuda_graphs", None)
+        if capture is not None:
+            capture(min(max_num_seqs, self.config.max_batch_size), self.max_model_len)
+
     def propose(self, running: Sequence[Request]) -> int:
         """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""
         self._draft_probs.clear()

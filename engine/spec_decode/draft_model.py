@@ -15,9 +15,11 @@ the rejection sampler later uses at the same positions.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
@@ -26,7 +28,11 @@ from pagedinfer.engine.sample.metadata import build_sampling_metadata
 from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.spec_decode.proposer import DraftProposals, DraftRequest
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
+from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets, graph_keys
+from pagedinfer.engine.worker.input_batch import InputBatch
 from pagedinfer.kernels import ops
+
+logger = logging.getLogger(__name__)
 
 _DRAFT_SALT = 0x2545F4914F6CDD1D  # < 2**63: keeps salted seeds non-negative
 
@@ -82,6 +88,42 @@ class DraftModelProposer:
         self.device = model.device
         self._seqs: dict[int, _DraftSeq] = {}
         self._computed: dict[int, int] = {}  # tokens per sequence whose K/V are written
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the draft's steady-state steps (CUDA only): one token per sequence (a draft
+        step) and up to two (catching up after verification: the last draft + the bonus token)."""
+        if self.device.type != "cuda":
+            return
+        graphs = self.graph_runner(max_num_seqs, max_model_len)
+        try:
+            graphs.capture()
+        except RuntimeError:  # e.g. a backend that syncs the host: the draft runs eagerly
+            logger.exception("draft model CUDA graph capture failed; draft steps run eagerly")
+            torch.cuda.synchronize()
+            return
+        self.graphs = graphs
+
+    def graph_runner(self, max_num_seqs: int, max_model_len: int) -> CudaGraphRunner:
+        """An uncaptured graph runner over static buffers of the draft's own.
+
+        The draft's KV caches hold one block more than its `kv` manager hands out: the scratch
+        block that padded rows write to.
+        """
+        scratch, block_size = self.kv.num_blocks, self.kv_caches[0][0].shape[1]
+        if self.kv_caches[0][0].shape[0] <= scratch:
+            raise ValueError("the draft KV caches need one scratch block beyond the managed ones")
+        batch = InputBatch(
+            max_num_tokens=2 * max_num_seqs,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=-(-(max_model_len + self.num_speculative_tokens) // block_size),
+            scratch_block=scratch,
+            block_size=block_size,
+            device=self.device,
+            backend=self.backend,
+        )
+        keys = graph_keys(default_buckets(max_num_seqs), (1, 2), batch.max_num_tokens)
+        return CudaGraphRunner(self.model, self.kv_caches, batch, keys)
 
     # ---- Proposer -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -153,14 +195,21 @@ class DraftModelProposer:
         """Run the uncomputed tokens of each sequence; logits [A, V] at each one's last token."""
         computed = [self._computed[s] for s in seq_ids]
         layout = self.kv.build_batch(seq_ids, computed, num_new)
-        md = AttentionMetadata.from_batch(layout, self.device, backend=self.backend)
         input_ids = [
             t
             for s, c, n in zip(seq_ids, computed, num_new, strict=True)
             for t in self._seqs[s].cached_ids[c : c + n]
         ]
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
-        hidden = self.model(ids, md.positions, self.kv_caches, md)  # [T, hidden]
+        key = self.graphs.select(len(seq_ids), max(num_new)) if self.graphs is not None else None
+        if key is not None:  # steady state: replay a captured graph on the padded static buffers
+            last_rows = np.asarray(layout.query_start_loc[1:], dtype=np.int64) - 1  # [A]
+            inputs = self.graphs.batch.stage(np.asarray(input_ids, dtype=np.int64), layout, last_rows, key)
+            hidden = self.graphs.replay(key)  # [B * q, hidden]
+            md = inputs.attn_metadata
+        else:
+            md = AttentionMetadata.from_batch(layout, self.device, backend=self.backend)
+            ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
+            hidden = self.model(ids, md.positions, self.kv_caches, md)  # [T, hidden]
         logits = self.model.compute_logits(hidden[md.logits_indices])  # [A, V_draft]
         for s, c, n in zip(seq_ids, computed, num_new, strict=True):
             self._computed[s] = c + n

@@ -1,6 +1,13 @@
-"""Build the speculative decoder an EngineConfig asks for (None when speculation is off)."""
+"""Build the speculative decoder an EngineConfig asks for (None when speculation is off).
+
+Two phases so the draft model's memory counts against the engine's budget: `load_draft_model`
+(weights, before the target's KV cache is sized) and `draft_block_bytes` (what one draft KV block
+costs, sized together with the target's blocks); then `build_speculative_decoder`.
+"""
 
 from __future__ import annotations
+
+import torch
 
 from pagedinfer.engine.config import SpeculativeConfig
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
@@ -17,6 +24,35 @@ from pagedinfer.engine.spec_decode.self_draft import SELF_PREFIX, LayerSubsetDra
 METHODS = (None, "ngram", "draft")
 
 
+def _check_method(config: SpeculativeConfig) -> None:
+    if config.method not in METHODS:
+        raise ValueError(f"unknown speculative method {config.method!r}; expected one of {METHODS}")
+
+
+def load_draft_model(config: SpeculativeConfig, target_model, target_tokenizer):
+    """The draft model of method 'draft' (carved out of the target, or loaded); None otherwise."""
+    _check_method(config)
+    if config.method != "draft":
+        return None
+    if not config.draft_model:
+        raise DraftModelError("speculative method 'draft' needs speculative.draft_model")
+    if config.draft_model.startswith(SELF_PREFIX):
+        layer_ids = parse_layer_ids(config.draft_model, target_model.config.num_layers)
+        return LayerSubsetDraft(target_model, layer_ids)
+    from pagedinfer.engine.models.loader import load_model
+
+    loaded = load_model(config.draft_model, target_model.device, target_model.dtype)
+    check_same_vocabulary(target_tokenizer, loaded.tokenizer)
+    return loaded.model
+
+
+def draft_block_bytes(draft_model, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one draft KV block (all its layers, K and V); 0 without a draft model."""
+    from pagedinfer.engine.worker.kv_cache import block_bytes
+
+    return 0 if draft_model is None else block_bytes(draft_model.config, block_size, dtype)
+
+
 def build_speculative_decoder(
     config: SpeculativeConfig,
     target_model,
@@ -26,51 +62,42 @@ def build_speculative_decoder(
     block_size: int,
     max_model_len: int,
     attention_backend: str | None = None,
+    draft_model=None,
 ) -> SpeculativeDecoder | None:
-    """The engine's speculative collaborator; `num_blocks` sizes the draft model's own KV pool."""
-    if config.method not in METHODS:
-        raise ValueError(f"unknown speculative method {config.method!r}; expected one of {METHODS}")
+    """The engine's speculative collaborator; `num_blocks` caps the draft model's own KV pool.
+
+    `draft_model`: from `load_draft_model` (loaded here when not given).
+    """
+    _check_method(config)
     if config.method is None:
         return None
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
     else:
-        proposer = build_draft_proposer(
-            config, target_model, target_tokenizer, num_blocks, block_size, max_model_len, attention_backend
+        draft = draft_model or load_draft_model(config, target_model, target_tokenizer)
+        proposer = _draft_proposer(
+            config, draft, target_model, num_blocks, block_size, max_model_len, attention_backend
         )
     return SpeculativeDecoder(config, proposer, max_model_len)
 
 
-def build_draft_proposer(
-    config: SpeculativeConfig,
-    target_model,
-    target_tokenizer,
-    num_blocks: int,
-    block_size: int,
-    max_model_len: int,
-    attention_backend: str | None = None,
+def draft_blocks_per_seq(config: SpeculativeConfig, block_size: int, max_model_len: int) -> int:
+    """Blocks one drafting sequence can need: its context plus K drafts."""
+    return -(-(max_model_len + config.num_speculative_tokens) // block_size)
+
+
+def _draft_proposer(
+    config, draft, target_model, num_blocks, block_size, max_model_len, attention_backend
 ) -> DraftModelProposer:
-    """Load (or carve out of the target) the draft model and give it its own paged KV cache."""
+    """Give the draft model its own paged KV cache (plus one scratch block for CUDA graphs)."""
     from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
 
-    if not config.draft_model:
-        raise DraftModelError("speculative method 'draft' needs speculative.draft_model")
-    if config.draft_model.startswith(SELF_PREFIX):
-        draft = LayerSubsetDraft(
-            target_model, parse_layer_ids(config.draft_model, target_model.config.num_layers)
-        )
-    else:
-        from pagedinfer.engine.models.loader import load_model
-
-        loaded = load_model(config.draft_model, target_model.device, target_model.dtype)
-        check_same_vocabulary(target_tokenizer, loaded.tokenizer)
-        draft = loaded.model
     # Only up to max_batch_size sequences draft at once; each needs room for its context + K.
-    per_seq = -(-(max_model_len + config.num_speculative_tokens) // block_size)
+    per_seq = draft_blocks_per_seq(config, block_size, max_model_len)
     num_blocks = max(min(num_blocks, config.max_batch_size * per_seq), 1)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     kv_caches = allocate_kv_caches(
-        draft.config, num_blocks, block_size, target_model.device, target_model.dtype
+        draft.config, num_blocks + 1, block_size, target_model.device, target_model.dtype
     )
     return DraftModelProposer(
         draft,

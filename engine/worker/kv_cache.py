@@ -9,7 +9,8 @@ Sizing: an explicit `CacheConfig.num_blocks` wins. On the CPU the budget is
 `CacheConfig.cpu_kv_cache_bytes`. On CUDA `gpu_memory_utilization` is this instance's share of
 the device (as in vLLM): `utilization * total` minus this process's torch peak after a profiling
 forward pass (weights, peak activations), and never more than what is actually free minus a
-headroom for the CUDA context and graphs. Other processes on the same GPU (a second engine, a
+headroom for the CUDA context and graphs. A second pool sized with it (a draft model's KV cache,
+`CompanionPool`) comes out of the same budget. Other processes on the same GPU (a second engine, a
 benchmark peer) therefore shrink the budget only when memory really runs short.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _CUDA_HEADROOM_BYTES = 512 * 2**20  # CUDA graphs, cuBLAS workspaces, allocator slack
+
+
+@dataclass(frozen=True)
+class CompanionPool:
+    """Another KV pool paid from the same budget: one of its blocks per target block, up to
+    `max_blocks` (a draft model's cache never needs more than its drafting sequences hold)."""
+
+    block_bytes: int
+    max_blocks: int | None = None
 
 
 class KVCacheSizeError(ValueError):
@@ -106,6 +117,7 @@ def determine_num_blocks(
     dtype: torch.dtype,
     profile: Callable[[], None] | None = None,
     tp_size: int = 1,
+    companion: CompanionPool | None = None,
 ) -> int:
     """How many KV blocks to allocate (see the module docstring for the policy).
 
@@ -126,9 +138,21 @@ def determine_num_blocks(
         budget = _cuda_free_bytes_after(profile, device, cache_config.gpu_memory_utilization)
     else:
         budget = cache_config.cpu_kv_cache_bytes
-    num_blocks = budget // per_block
+    num_blocks = _split_budget(budget, per_block, companion)
     if num_blocks < 1:
         raise KVCacheSizeError(
             f"no room for the KV cache on {device}: budget {budget} bytes < one block of {per_block} bytes"
         )
     return int(num_blocks)
+
+
+def _split_budget(budget: int, per_block: int, companion: CompanionPool | None) -> int:
+    """Target blocks N with N * per_block + min(N, max) * companion bytes (+ its scratch) <= budget."""
+    if companion is None or companion.block_bytes == 0:
+        return budget // per_block
+    budget -= companion.block_bytes  # the companion's scratch block
+    num_blocks = budget // (per_block + companion.block_bytes)
+    cap = companion.max_blocks
+    if cap is not None and num_blocks > cap:  # the companion stops growing at its cap
+        num_blocks = (budget - cap * companion.block_bytes) // per_block
+    return num_blocks

@@ -160,3 +160,36 @@ def test_graph_shaped_speculative_steps_keep_greedy_output(tiny_llama_dir):
     assert llm.core.spec_decoder.stats.num_accepted_tokens > 0
     kv = llm.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def _silence_last_layer(llm: LLM) -> None:
+    """Zero layer 1's output projections: the target then equals its layer-0 self-draft, so
+    every draft is accepted and the draft's two-token catch-up steps occur."""
+    layer = llm.core.runner.model.model.layers[1]
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+
+
+def test_graph_shaped_draft_model_steps_keep_greedy_output(tiny_llama_dir):
+    """Self-draft: the target's verification and the draft's own steps both go through graphs."""
+    ps = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8, [3, 4, 5], [20, 21, 22, 23] * 3, [40, 41] * 6]
+    plain = make_llm(tiny_llama_dir)
+    _silence_last_layer(plain)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model="self:layers=0")
+    llm = make_llm(tiny_llama_dir, spec)
+    _silence_last_layer(llm)
+    target_graphs = with_eager_replay(llm, 3)
+    proposer = llm.core.spec_decoder.proposer
+    uncaptured = proposer.graph_runner(max_num_seqs=8, max_model_len=128)
+    proposer.graphs = EagerReplay(proposer.model, proposer.kv_caches, uncaptured.batch, uncaptured.keys)
+    proposer.graphs.capture()
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    assert got == expected
+    stats = llm.core.spec_decoder.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert any(k.query_len == 4 for k in target_graphs.replayed)
+    # Draft steps of one token and catch-ups of two ran on the padded draft buffers.
+    assert {k.query_len for k in proposer.graphs.replayed} == {1, 2}
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks

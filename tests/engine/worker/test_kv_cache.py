@@ -9,6 +9,7 @@ import torch
 
 from pagedinfer.engine.config import CacheConfig, ModelConfig
 from pagedinfer.engine.worker.kv_cache import (
+    CompanionPool,
     KVCacheSizeError,
     allocate_kv_caches,
     block_bytes,
@@ -49,6 +50,21 @@ def test_cpu_budget_and_explicit_count():
     assert determine_num_blocks(SMOLLM2, config, "cpu", torch.bfloat16) == 200
     explicit = dataclasses.replace(config, num_blocks=12)
     assert determine_num_blocks(SMOLLM2, explicit, "cpu", torch.float32) == 12
+
+
+def test_draft_pool_comes_out_of_the_same_budget():
+    per_block = 737_280  # SmolLM2 fp32 block
+    draft = per_block // 10  # a 3-layer draft of the same heads
+    config = CacheConfig(block_size=16, cpu_kv_cache_bytes=100 * per_block)
+    # One draft block per target block (and its scratch block): N (t + d) + d <= budget.
+    n = determine_num_blocks(SMOLLM2, config, "cpu", torch.float32, companion=CompanionPool(draft))
+    assert n == (100 * per_block - draft) // (per_block + draft) == 90
+    assert n * per_block + (n + 1) * draft <= 100 * per_block
+    # A capped draft pool (few sequences draft at once) leaves the rest to the target.
+    capped = CompanionPool(draft, max_blocks=20)
+    n = determine_num_blocks(SMOLLM2, config, "cpu", torch.float32, companion=capped)
+    assert n == (100 * per_block - 21 * draft) // per_block == 97
+    assert determine_num_blocks(SMOLLM2, config, "cpu", torch.float32, companion=CompanionPool(0)) == 100
 
 
 def test_sizing_errors():
