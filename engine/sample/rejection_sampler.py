@@ -71,6 +71,7 @@ class RejectionInputs:
     draft_probs: torch.Tensor | None = None  # [B, K, V] float, or None for a point mass
     seeds: torch.Tensor | None = None  # [B] int64 >= 0 seeded, < 0 unseeded; None: all unseeded
     positions: torch.Tensor | None = None  # [B] int64 output position of the row's first token
+    all_greedy: bool = False  # host-side: every row is greedy (argmax matching only, fewer kernels)
 
     def check(self) -> None:
         """Shape contract between the proposer, the runner and this sampler (internal)."""
@@ -117,6 +118,8 @@ class RejectionSampler:
 
     def __call__(self, inputs: RejectionInputs) -> RejectionOutput:
         inputs.check()
+        if inputs.all_greedy:
+            return self._greedy(inputs)
         target_logits = inputs.target_logits
         num_rows, k_plus_1, _ = target_logits.shape
         num_drafts = k_plus_1 - 1
@@ -148,6 +151,22 @@ class RejectionSampler:
         token_ids.scatter_(1, num_accepted.unsqueeze(1), final_ids.unsqueeze(1))
         keep = torch.arange(k_plus_1, device=device).unsqueeze(0) <= num_accepted.unsqueeze(1)
         return RejectionOutput(token_ids=token_ids * keep, num_tokens=num_accepted + 1)
+
+    def _greedy(self, inputs: RejectionInputs) -> RejectionOutput:
+        """All rows greedy: drafts are accepted while they equal the argmax, and the emitted
+        tokens are exactly the argmaxes up to and including the first mismatch (or the bonus)."""
+        target_argmax = inputs.target_logits.argmax(dim=-1)  # [B, K + 1]
+        device = target_argmax.device
+        num_drafts = target_argmax.shape[1] - 1
+        draft_ids = inputs.draft_token_ids.to(device=device, dtype=torch.int64)  # [B, K]
+        num_draft_tokens = inputs.num_draft_tokens.to(device=device, dtype=torch.int64)  # [B]
+        positions = torch.arange(num_drafts + 1, device=device)  # [K + 1]
+        is_accepted = (draft_ids == target_argmax[:, :num_drafts]) & (
+            positions[:num_drafts].unsqueeze(0) < num_draft_tokens.unsqueeze(1)
+        )  # [B, K]
+        num_accepted = is_accepted.int().cumprod(dim=1).sum(dim=1)  # [B]
+        keep = positions.unsqueeze(0) <= num_accepted.unsqueeze(1)  # [B, K + 1]
+        return RejectionOutput(token_ids=target_argmax * keep, num_tokens=num_accepted + 1)
 
     def _final_tokens(
         self,

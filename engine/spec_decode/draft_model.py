@@ -131,9 +131,7 @@ class DraftModelProposer:
         num_reqs = len(requests)
         k_max = min(self.num_speculative_tokens, max((r.max_draft_tokens for r in requests), default=0))
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
-        probs = torch.zeros(
-            (num_reqs, max(k_max, 1), self.vocab_size), dtype=torch.float32, device=self.device
-        )
+        probs = None  # [R, K, V] q; stays None while every row is greedy (q is then irrelevant)
         active = [b for b, r in enumerate(requests) if self._catch_up(r)]
         for step in range(k_max):
             if step > 0:  # feed the previous draft
@@ -147,7 +145,11 @@ class DraftModelProposer:
             tokens, q = self._sample(logits, [requests[b] for b in active], [drafts[b] for b in active])
             for i, b in enumerate(active):
                 drafts[b].append(tokens[i])
-                probs[b, step] = q[i]
+            if q is not None:
+                if probs is None:
+                    shape = (num_reqs, k_max, self.vocab_size)
+                    probs = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                probs[torch.tensor(active, device=self.device), step] = q
         for request in requests:
             state = self._seqs.get(request.seq_id)
             if state is not None:
@@ -218,8 +220,10 @@ class DraftModelProposer:
 
     def _sample(
         self, logits: torch.Tensor, requests: list[DraftRequest], drafts: list[list[int]]
-    ) -> tuple[list[int], torch.Tensor]:
-        """Process like the target at each row's next output position; draw with salted noise."""
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Process like the target at each row's next output position; draw with salted noise.
+
+        Returns the tokens and q [A, V] (None when every row is greedy: argmax needs no q)."""
         rows = [_position_row(r.row, d) for r, d in zip(requests, drafts, strict=True)]
         meta = build_sampling_metadata(
             rows, self.vocab_size, self.device, [r.eos_token_ids for r in requests]
@@ -228,7 +232,7 @@ class DraftModelProposer:
         if meta.seeds is not None:
             meta.seeds = meta.seeds ^ _DRAFT_SALT
         tokens = self.sampler.draw(processed, meta).tolist()
-        return tokens, processed.softmax(dim=-1)  # q [A, V]
+        return tokens, None if meta.all_greedy else processed.softmax(dim=-1)
 
 
 def _position_row(row: SamplingRow, drafts: list[int]) -> SamplingRow:

@@ -88,6 +88,7 @@ def _rejection_inputs(
         draft_probs=probs,
         seeds=None if seeds is None else seeds[first_rows],
         positions=None if positions is None else positions[first_rows],
+        all_greedy=meta.all_greedy,
     )
 
 
