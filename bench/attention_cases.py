@@ -31,10 +31,13 @@ class Heads:
 
 LLAMA = Heads("llama3-8b", 32, 8, 128)
 SMOLLM2 = Heads("smollm2-135m", 9, 3, 64)
-# Small-grid decode sweep: tiles x split merges (x split counts in tune_decode).
-DECODE_TILES = ((64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 8, 3))
+# Small-grid decode sweep: (block_n, warps, stages, prefetch) tiles x split merges (x split counts
+# in tune_decode). Stages do nothing here: Triton does not pipeline this loop (NOTES.md v4).
+DECODE_TILES = ((64, 4, 3, False), (64, 4, 1, True), (32, 4, 1, True), (64, 8, 1, True), (32, 8, 1, True),
+                (128, 8, 1, True))  # fmt: skip
 DECODE_SWEEP = [
-    DecodeConfig(n, w, s, merge) for (n, w, s), merge in itertools.product(DECODE_TILES, SplitMerge)
+    DecodeConfig(n, w, s, merge, prefetch)
+    for (n, w, s, prefetch), merge in itertools.product(DECODE_TILES, SplitMerge)
 ]
 EXTEND_SWEEP = [
     ExtendConfig(m, n, w, s)
@@ -75,13 +78,13 @@ def decode_inputs(batch: int, context: int, heads: Heads = LLAMA) -> dict:
     return x
 
 
-def ours_merge_decode(x: dict, merge: SplitMerge):
-    """Our kernel with default tiles and splits but a given split merge (DecodeConfig.merge)."""
+def ours_variant_decode(x: dict, **changes):
+    """Our kernel with default tiles and splits but some DecodeConfig fields changed."""
     from dataclasses import replace
 
     from pagedinfer.kernels.decode_attention import default_config
 
-    return ours_decode(x, replace(default_config(x["heads"].head_dim, x["query"].device), merge=merge))
+    return ours_decode(x, replace(default_config(x["heads"].head_dim, x["query"].device), **changes))
 
 
 def ours_decode(x: dict, config: DecodeConfig | None = None, num_splits: int | None = None):
@@ -194,7 +197,7 @@ def tune_decode(sets: list[dict], timer, kv_bytes: int) -> list[dict]:
 
     x = sets[0]
     base = default_num_splits(x["query"].shape[0], x["heads"].num_kv_heads, x["context"], x["query"].device)
-    splits_options = sorted({max(1, base // 4), max(1, base // 2), base, min(MAX_SPLITS, base * 2)})
+    splits_options = sorted({max(1, base // k) for k in (8, 4, 2, 1)} | {min(MAX_SPLITS, base * 2)})
     rows = []
     for config, splits in itertools.product(DECODE_SWEEP, splits_options):
         if splits == 1 and config.merge is not SplitMerge.KERNEL:
@@ -297,9 +300,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
-    names = ["triton", "fused", "pdl", "cuda", "sdpa", "gather"]
+    names = ["triton", "fused", "pdl", "prefetch", "cuda", "sdpa", "gather"]
     rows = [r for r in result["decode"] if r.get("model", LLAMA.name) == LLAMA.name]
-    width = 0.14
+    width = 0.12
     for i, name in enumerate(names):
         xs = [j + i * width for j, r in enumerate(rows) if "gbps" in r.get(name, {})]
         ys = [r[name]["gbps"] for r in rows if "gbps" in r.get(name, {})]

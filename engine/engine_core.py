@@ -222,6 +222,7 @@ class EngineCore:
         stats.num_finished = sum(1 for u in updates if u.is_finished)
         stats.num_draft_tokens = pending.result.num_draft_tokens
         stats.num_accepted_tokens = pending.result.num_accepted_tokens
+        stats.num_verified_seqs = pending.result.num_verified_seqs
         stats.batch_size = len(sched.sequences)
         for callback in self._listeners:
             try:

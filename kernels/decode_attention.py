@@ -48,6 +48,42 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     merge: SplitMerge | None = None
+    # Software prefetch in registers: the next tile's K/V and the block ids two tiles ahead are
+    # loaded before the current tile is computed. Triton leaves this loop unpipelined (no async
+    # copies in the TTGIR), so one program otherwise waits two dependent DRAM round trips a tile.
+    prefetch: bool = False
+
+
+@triton.jit
+def _load_ids(table_row, pos, end, BLOCK_SIZE: tl.constexpr):
+    """Block ids of token positions pos [BLOCK_N] (0 past end: those lanes load nothing)."""
+    return tl.load(table_row + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv(k_base, v_base, block_ids, pos, end, d, d_mask, stride_kb, stride_ks, stride_vb, stride_vs,
+             BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """K and V tiles [BLOCK_N, D_PAD] of positions pos from the paged cache (0 past end)."""
+    offsets = pos % BLOCK_SIZE
+    kv_mask = (pos < end)[:, None] & d_mask[None, :]
+    k_ptrs = k_base + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
+    v_ptrs = v_base + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale):
+    """One online-softmax step of q [G, D] over the tile k/v [BLOCK_N, D]; n_mask: valid keys."""
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -86,6 +122,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge kernel may be scheduled now; it waits for our results
@@ -109,24 +146,40 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        n_mask = pos < end
-        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offsets = pos % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptrs = k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
-        k = tl.load(k_ptrs + kv_head * stride_kh, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
-        v = tl.load(v_ptrs + kv_head * stride_vh, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    n = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        ids_next = _load_ids(table_row, start + BLOCK_N + n, end, BLOCK_SIZE)
+        ids = _load_ids(table_row, start + n, end, BLOCK_SIZE)
+        k, v = _load_kv(k_base, v_base, ids, start + n, end, d, d_mask, stride_kb, stride_ks, stride_vb, stride_vs,
+                        BLOCK_SIZE)  # fmt: skip
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + n  # [BLOCK_N]
+            ids_after = _load_ids(table_row, pos + 2 * BLOCK_N, end, BLOCK_SIZE)
+            k_next, v_next = _load_kv(k_base, v_base, ids_next, pos + BLOCK_N, end, d, d_mask, stride_kb,
+                                      stride_ks, stride_vb, stride_vs, BLOCK_SIZE)  # fmt: skip
+            m_i, l_i, acc = _attend_tile(q, k, v, pos < end, m_i, l_i, acc, qk_scale)
+            k, v, ids_next = k_next, v_next, ids_after
+    else:  # the v3 loop (large grids stream at the copy bandwidth with it)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + n  # [BLOCK_N]
+            n_mask = pos < end
+            block_ids = _load_ids(table_row, pos, end, BLOCK_SIZE)
+            offsets = pos % BLOCK_SIZE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_ptrs = k_base + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_ptrs = v_base + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
 
     has_keys = l_i > 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -269,6 +322,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         D_PAD=d_pad,
+        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
