@@ -44,6 +44,7 @@ KV_USAGE = PREFIX + "kv_cache_usage_ratio"
 KV_FRAGMENTATION = PREFIX + "kv_cache_fragmentation_ratio"
 PREFIX_HIT = PREFIX + "prefix_cache_hit_ratio"
 SPEC_ACCEPTANCE = PREFIX + "spec_decode_acceptance_ratio"
+SPEC_MEAN_ACCEPTED_LENGTH = PREFIX + "spec_decode_mean_accepted_length"
 GEN_TPS = PREFIX + "generation_tokens_per_second"
 KV_FREE_BLOCKS = PREFIX + "kv_cache_free_blocks"  # debug: returns to the total once all requests end
 KV_TOTAL_BLOCKS = PREFIX + "kv_cache_total_blocks"
@@ -73,6 +74,7 @@ METRIC_NAMES: tuple[str, ...] = (
     KV_FRAGMENTATION,
     PREFIX_HIT,
     SPEC_ACCEPTANCE,
+    SPEC_MEAN_ACCEPTED_LENGTH,
     GEN_TPS,
     KV_FREE_BLOCKS,
     KV_TOTAL_BLOCKS,
@@ -133,11 +135,11 @@ class _EngineStatsCollector(Collector):
         model: str,
         stats: StatsSource,
         is_ready: Callable[[], bool],
-        acceptance: Callable[[], float],
+        spec: Callable[[], tuple[float, float]],
         vllm_names: bool,
     ):
         self._model = model
-        self._acceptance = acceptance
+        self._spec = spec  # () -> (acceptance ratio, mean accepted length)
         self._stats = stats
         self._is_ready = is_ready
         self._vllm_names = vllm_names
@@ -158,11 +160,19 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
             family.add_metric(labels, _stat(stats, keys))
             yield family
+        acceptance, mean_length = self._spec()
         accept = GaugeMetricFamily(
             SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1).", labels=["model"]
         )
-        accept.add_metric(labels, self._acceptance())
+        accept.add_metric(labels, acceptance)
         yield accept
+        length = GaugeMetricFamily(
+            SPEC_MEAN_ACCEPTED_LENGTH,
+            "Tokens emitted per verifying sequence step (1 + accepted drafts; 0 before any).",
+            labels=["model"],
+        )
+        length.add_metric(labels, mean_length)
+        yield length
         ready = GaugeMetricFamily(
             SERVER_READY, "1 when serving, 0 while loading or draining.", labels=["model"]
         )
@@ -227,6 +237,7 @@ class ServingMetrics:
         self._spec_lock = threading.Lock()
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
+        self._num_verified_seqs = 0
         self.spec_draft = Counter(
             _counter_family(SPEC_DRAFT_TOKENS_TOTAL), "Draft tokens proposed.", labels, registry=r
         )
@@ -242,7 +253,7 @@ class ServingMetrics:
     def attach_engine(self, stats: StatsSource, is_ready: Callable[[], bool]) -> None:
         """Export the engine's scrape-time series; call once, before serving /metrics."""
         collector = _EngineStatsCollector(
-            self.model, stats, is_ready, self.acceptance_ratio, self._enable_vllm_metrics
+            self.model, stats, is_ready, self._spec_gauges, self._enable_vllm_metrics
         )
         self.registry.register(collector)
 
@@ -255,11 +266,21 @@ class ServingMetrics:
         with self._spec_lock:
             self._num_draft_tokens += step.num_draft_tokens
             self._num_accepted_tokens += step.num_accepted_tokens
+            self._num_verified_seqs += step.num_verified_seqs
 
     def acceptance_ratio(self) -> float:
         """Accepted / proposed draft tokens since start (0 without speculation)."""
         with self._spec_lock:
             return self._num_accepted_tokens / self._num_draft_tokens if self._num_draft_tokens else 0.0
+
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying sequence step since start (0 before any verification)."""
+        with self._spec_lock:
+            verified = self._num_verified_seqs
+            return (self._num_accepted_tokens + verified) / verified if verified else 0.0
+
+    def _spec_gauges(self) -> tuple[float, float]:
+        return self.acceptance_ratio(), self.mean_accepted_length()
 
     def observe_step_gap(self, seconds: float, num_new_tokens: int) -> None:
         if num_new_tokens > 0:

@@ -107,6 +107,7 @@ class ModelRunnerOutput:
     sampled: list[SampledTokens]
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_verified_seqs: int = 0  # sequences whose drafts were verified this step
     gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
 
 
@@ -127,6 +128,7 @@ class StepStats:
     kv_cache_usage: float
     step_time_s: float = 0.0
     batch_size: int = 0
+    num_verified_seqs: int = 0  # speculating sequences verified this step (mean accepted length)
 
 
 @dataclass(slots=True)

@@ -47,7 +47,8 @@ class SpecVerifier:
         ]
         num_drafts = sum(len(g.draft_token_ids) for g in groups)
         num_accepted = sum(len(t) - 1 for t in token_lists)
-        return ModelRunnerOutput(sampled, num_draft_tokens=num_drafts, num_accepted_tokens=num_accepted)
+        num_verified = sum(1 for g in groups if g.draft_token_ids)
+        return ModelRunnerOutput(sampled, num_drafts, num_accepted, num_verified_seqs=num_verified)
 
 
 def _rejection_inputs(

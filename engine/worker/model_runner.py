@@ -246,9 +246,10 @@ class ModelRunner:
         if out.logprobs is not None:
             lp = (out.logprobs.tolist(), out.top_token_ids.tolist(), out.top_logprobs.tolist())
         results = []
-        num_draft = num_accepted = 0
+        num_draft = num_accepted = num_verified = 0
         for g, tokens in zip(groups, accepted, strict=True):
             num_draft += len(g.draft_token_ids)
+            num_verified += bool(g.draft_token_ids)
             num_accepted += len(tokens) - 1
             logprobs = None
             want = num_logprobs[g.first_row]
@@ -263,7 +264,7 @@ class ModelRunner:
                     for j in range(len(tokens))
                 ]
             results.append(SampledTokens(g.seq_id, tokens, logprobs))
-        return ModelRunnerOutput(results, num_draft_tokens=num_draft, num_accepted_tokens=num_accepted)
+        return ModelRunnerOutput(results, num_draft, num_accepted, num_verified_seqs=num_verified)
 
     # ---- GPU idle-time accounting (CUDA only) --------------------------------------------------
     def _gpu_mark_start(self) -> torch.cuda.Event | None:

@@ -199,3 +199,14 @@ def test_a_full_draft_cache_only_stops_drafting(tiny_llama_dir, baseline):
     assert generate(llm) == baseline
     assert spec.stats.num_draft_tokens > 0
     assert_no_leak(llm)
+
+
+def test_step_stats_count_verified_sequences(tiny_llama_dir):
+    """The serving metrics' mean accepted length comes from these per-step counts."""
+    llm = make_llm(tiny_llama_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    steps = []
+    llm.core.add_step_listener(steps.append)
+    generate(llm)
+    stats = llm.core.spec_decoder.stats
+    assert sum(s.num_verified_seqs for s in steps) == stats.num_verified_sequences > 0
+    assert sum(s.num_accepted_tokens for s in steps) == stats.num_accepted_tokens
