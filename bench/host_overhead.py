@@ -7,9 +7,14 @@ sampler, output processor) on the CPU with a stub model whose forward is a few t
 and splits each step's wall time into:
   - critical: host work the GPU would wait for (step - overlap - model stub),
   - overlap: between launch() returning and collect() starting (runs while the GPU works),
-  - model: the stub forward + logits (excluded).
+  - model: the stub forward + logits (excluded),
+  - gc: cyclic garbage collection, mean per step (a full collection every ~100 steps is
+    invisible in a median but not in throughput).
+Times are thread CPU time on the CPU (the machine is shared) and wall time with --device cuda,
+where the host cost also covers host->device copies, graph replay and the sampler's launches.
 
     OMP_NUM_THREADS=1 python bench/host_overhead.py --out bench/results [--baseline FILE]
+    python bench/host_overhead.py --device cuda --out bench/results --name host_overhead_cuda
 
 Prints ms per step at batch 1/64/256 and, given a baseline JSON, the ratio to it.
 """
@@ -41,28 +46,30 @@ VOCAB = 512
 class StubModel(torch.nn.Module):
     """Greedy-deterministic fake LM: the next token is a hash of (input id, position)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, clock) -> None:
         super().__init__()
         self.config = config
-        self.device = torch.device("cpu")
+        self.device = device
         self.dtype = torch.float32
+        self.clock = clock
         self.seconds = 0.0
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
-        t0 = time.thread_time()
+        t0 = self.clock()
         hidden = ((input_ids * 31 + positions) % self.config.vocab_size).float()[:, None]  # [T, 1]
-        self.seconds += time.thread_time() - t0
+        self.seconds += self.clock() - t0
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        t0 = time.thread_time()
+        t0 = self.clock()
         token = (hidden.long() * 7 + 3) % self.config.vocab_size  # [N, 1]
-        logits = torch.zeros(hidden.shape[0], self.config.vocab_size).scatter_(1, token, 1.0)  # [N, V]
-        self.seconds += time.thread_time() - t0
+        logits = torch.zeros(hidden.shape[0], self.config.vocab_size, device=hidden.device)  # [N, V]
+        logits.scatter_(1, token, 1.0)
+        self.seconds += self.clock() - t0
         return logits
 
 
-def build(batch: int):
+def build(batch: int, device: torch.device, clock):
     mc = ModelConfig(
         architecture="llama",
         vocab_size=VOCAB,
@@ -81,32 +88,42 @@ def build(batch: int):
         scheduler=SchedulerConfig(
             max_num_seqs=max(batch, 1), max_num_batched_tokens=8192, max_model_len=4096
         ),
-        device=DeviceConfig(device="cpu", dtype="float32"),
+        device=DeviceConfig(device=device.type, dtype="float32"),
     )
-    model = StubModel(mc)
+    model = StubModel(mc, device, clock)
     return assemble_engine(cfg, model).core, model
 
 
 class _Timer:
     """Wraps bound methods on an instance to timestamp their entry and exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
+        self.clock = clock
         self.marks: dict[str, float] = {}
+        self.gc_seconds = 0.0
+        self._gc_start = 0.0
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = self.clock()
+        else:
+            self.gc_seconds += self.clock() - self._gc_start
 
     def wrap(self, obj, name: str) -> None:
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
-            self.marks[name + ".start"] = time.thread_time()
+            self.marks[name + ".start"] = self.clock()
             out = fn(*args, **kwargs)
-            self.marks[name + ".end"] = time.thread_time()
+            self.marks[name + ".end"] = self.clock()
             return out
 
         setattr(obj, name, timed)
 
 
-def measure(batch: int, num_steps: int, prompt_len: int = 64, seed: int = 0) -> dict:
-    core, model = build(batch)
+def measure(batch: int, num_steps: int, device: torch.device, prompt_len: int = 64, seed: int = 0) -> dict:
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    core, model = build(batch, device, clock)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -115,17 +132,18 @@ def measure(batch: int, num_steps: int, prompt_len: int = 64, seed: int = 0) -> 
         core.step()
     for _ in range(5):
         core.step()
-    timer = _Timer()
+    timer = _Timer(clock)
     for name in ("launch", "collect"):
         timer.wrap(core.runner, name)
     for name in ("schedule", "update"):
         timer.wrap(core.scheduler, name)
     rows = []
+    gc.callbacks.append(timer.on_gc)
     for _ in range(num_steps):
         model.seconds = 0.0
-        t0 = time.thread_time()
+        t0 = clock()
         core.step()
-        total = time.thread_time() - t0
+        total = clock() - t0
         m = timer.marks
         overlap = m["collect.start"] - m["launch.end"]
         rows.append(
@@ -140,8 +158,11 @@ def measure(batch: int, num_steps: int, prompt_len: int = 64, seed: int = 0) -> 
                 "update": m["update.end"] - m["update.start"],
             }
         )
+    gc.callbacks.remove(timer.on_gc)
     assert len(core.scheduler.running) == batch, "the batch must stay whole while measuring"
-    return {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
+    out = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
+    out["gc_mean"] = timer.gc_seconds / num_steps * 1e3
+    return out
 
 
 def main() -> None:
@@ -154,12 +175,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default="host_overhead_cpu")
     parser.add_argument("--baseline", type=Path, default=None, help="a previous JSON to compare with")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here; nothing measured")
+        return
+    device = torch.device(args.device)
     torch.set_num_threads(1)
     gc.collect()
     results = {}
     for batch in args.batches:
-        runs = [measure(batch, args.steps) for _ in range(args.repeats)]
+        runs = [measure(batch, args.steps, device) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["critical"])
         results[str(batch)] = best
         line = ", ".join(f"{k} {v:.3f}" for k, v in best.items())
@@ -175,7 +201,12 @@ def main() -> None:
                 )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        doc = {"unit": "ms per decode step (median)", "torch_threads": 1, "results": results}
+        doc = {
+            "unit": "ms per decode step (median; gc_mean: mean)",
+            "device": args.device,
+            "torch_threads": 1,
+            "results": results,
+        }
         if baseline:
             doc["baseline"] = baseline
         (args.out / f"{args.name}.json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -7,6 +7,8 @@ here knows about asyncio. Requests are validated at the door (`validate`) so a b
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import random
 import time
@@ -42,6 +44,17 @@ class _Pending:
     snapshot: StepStats  # gauges taken at the end of the step
 
 
+def _freeze_startup_objects() -> None:
+    """Move the objects alive now (model, torch, tokenizer: 10^5-10^6 of them, never garbage)
+    out of the cyclic GC's reach, once per process. Otherwise every full collection, triggered
+    every ~100 decode steps at batch 256 by the step messages that survive a step, walks them
+    all: ~180 ms each, 1.6-2.7 ms per step amortized on the CPU machine."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # let shutdown collect them (extensions check for leaks)
+
+
 class EngineCore:
     """Owns the scheduler, the model runner and the output processor."""
 
@@ -58,6 +71,7 @@ class EngineCore:
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        _freeze_startup_objects()
         self.spec_decoder = spec_decoder  # spec_decode.SpeculativeDecoder, or None
         if spec_decoder is not None:
             runner.spec_decoder = spec_decoder
