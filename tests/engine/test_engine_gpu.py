@@ -81,10 +81,13 @@ def test_bf16_seeded_sampling_and_preemption_on_gpu(tiny_llama_dir):
     ids=["ngram", "self-draft"],
 )
 def test_speculative_verification_graphs_keep_greedy_output(tiny_llama_dir, spec):
-    """Verification steps replay (B, 1 + K) graphs; greedy output equals plain decoding."""
+    """Verification steps replay (B, 1 + K) graphs; greedy output equals the same engine run
+    eagerly (same kernels: exact) and plain decoding (decode vs extend kernel, fp32)."""
     ps = [*prompts(5), [5, 6, 7, 8, 9] * 4, [11, 12] * 8]
     plain = make_llm(tiny_llama_dir, graphs=True)
     expected = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    eager = make_llm(tiny_llama_dir, graphs=False, spec=spec)
+    eager_out = [o.token_ids for o in eager.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
     llm = make_llm(tiny_llama_dir, graphs=True, spec=spec)
     graphs = llm.core.runner.graphs
     assert any(key.query_len == 4 for key in graphs.captured)
@@ -92,8 +95,13 @@ def test_speculative_verification_graphs_keep_greedy_output(tiny_llama_dir, spec
     replay = graphs.replay
     graphs.replay = lambda key: replayed.append(key) or replay(key)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    assert got == expected
+    assert got == eager_out, "verification graphs differ from the same steps run eagerly"
+    assert got == expected, "speculative output differs from plain decoding"
     assert any(key.query_len == 4 for key in replayed)
     assert llm.core.spec_decoder.stats.num_draft_tokens > 0
+    proposer = llm.core.spec_decoder.proposer
+    if spec.method == "draft":
+        assert proposer.graphs is not None and proposer.graphs.captured
+        assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
     kv = llm.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
