@@ -93,10 +93,13 @@ class CudaGraphRunner:
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[GraphKey, torch.Tensor] = {}
         self._pool = None
+        self._captured: list[GraphKey] = []  # sorted; looked up every step
 
     @property
     def captured(self) -> list[GraphKey]:
-        return sorted(self._graphs)
+        if len(self._captured) != len(self._graphs):
+            self._captured = sorted(self._graphs)
+        return self._captured
 
     def select(self, num_seqs: int, max_query_len: int) -> GraphKey | None:
         return select_key(self.captured, num_seqs, max_query_len)
