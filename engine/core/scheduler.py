@@ -188,7 +188,8 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]]
     ) -> int | None:
         """The common case in one KV call: every planned sequence gets its slots, or None."""
-        plan: list[tuple[Request, int, list[int] | None]] = []
+        planned: list[ScheduledSequence] = []
+        plan: list[Request] = []
         seq_ids: list[int] = []
         counts: list[int] = []
         new_ids: list[int] = []
@@ -198,21 +199,30 @@ class Scheduler:
                 break
             computed = seq.num_computed_tokens
             out = seq.output_token_ids
+            num_prompt = len(seq.prompt_token_ids)
             if (
                 out
                 and seq.num_kv_tokens == computed
-                and computed + 1 == len(seq.prompt_token_ids) + len(out)
+                and computed + 1 == num_prompt + len(out)
                 and computed < max_len
                 and not seq.spec_token_ids
+                and not seq.pending_children
             ):
-                num_new, ids = 1, out[-1:]  # a plain decode: the last sampled token, nothing else
+                # A plain decode: its one input is the last sampled token, and it samples.
+                ids = out[-1:]
+                num_new = 1
+                row = SamplingRow(
+                    seq.seq_id, seq.sampling_params, seq.seed, len(out), seq.prompt_token_ids, out
+                )
+                planned.append(ScheduledSequence(seq.seq_id, ids, computed, num_prompt, 0, row, ()))
             else:
                 num_new = self._num_new_tokens(seq, budget)
                 if num_new == 0:
                     continue
                 ids = seq.token_ids_range(seq.num_kv_tokens, computed + num_new)
-            # The KV tokens are the step's inputs exactly when no KV was reserved ahead of them.
-            plan.append((seq, num_new, ids if seq.num_kv_tokens == computed else None))
+                # The KV tokens are the step's inputs exactly when no KV was reserved ahead of them.
+                planned.append(self._scheduled(seq, num_new, ids if seq.num_kv_tokens == computed else None))
+            plan.append(seq)
             seq_ids.append(seq.seq_id)
             counts.append(len(ids))
             new_ids.extend(ids)
@@ -221,9 +231,9 @@ class Scheduler:
         if result is None:
             return None
         copies.extend(result)
-        for (seq, num_new, inputs), count in zip(plan, counts, strict=True):
+        for seq, count in zip(plan, counts, strict=True):
             seq.num_kv_tokens += count
-            scheduled.append(self._scheduled(seq, num_new, inputs))
+        scheduled.extend(planned)
         return budget
 
     def _reserve_slots(
