@@ -121,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] (only the rows that need logits) -> logits [N, vocab] float32.
 
         upcast=False keeps the GEMM's dtype (no [N, vocab] fp32 copy): enough for plain greedy
-        sampling, whose argmax is the same on the half-precision values (Sampler.process).
+        batches (engine.sample.sampler.is_plain_greedy), whose argmax is the same either way.
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)  # [N, vocab] in the model dtype

@@ -19,13 +19,11 @@ import pytest
 pytest.importorskip("triton")
 
 
-def _run(out_path: str) -> None:
+def _tiny_model(dtype):
     import torch
 
-    from pagedinfer._native import BlockManager
     from pagedinfer.engine.config import ModelConfig
     from pagedinfer.engine.models.llama import LlamaForCausalLM
-    from pagedinfer.engine.models.testing import PagedRunner
 
     config = ModelConfig(
         architecture="llama",
@@ -40,9 +38,19 @@ def _run(out_path: str) -> None:
         rope_theta=10000.0,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, torch.float32, "cpu").requires_grad_(False)
+    model = LlamaForCausalLM(config, dtype, "cpu").requires_grad_(False)
     for name, p in model.named_parameters():
         p.normal_(1.0, 0.2) if name.endswith("norm.weight") else p.normal_(0.0, 0.2)
+    return model
+
+
+def _run(out_path: str) -> None:
+    import torch
+
+    from pagedinfer._native import BlockManager
+    from pagedinfer.engine.models.testing import PagedRunner
+
+    model = _tiny_model(torch.float32)
     result = {}
     for backend in ("triton", "reference"):
         runner = PagedRunner(model, BlockManager(16, 8, True), 16, 8)
@@ -74,6 +82,15 @@ def test_triton_model_path_matches_reference(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     diffs = json.loads(out.read_text())
     assert diffs["prefill"] < 1e-4 and diffs["decode"] < 1e-4 and diffs["caches"] < 1e-5, diffs
+
+
+def test_compute_logits_without_upcast_keeps_the_gemm_dtype():
+    import torch
+
+    model = _tiny_model(torch.bfloat16)
+    hidden = torch.randn(3, 48).bfloat16()
+    raw = model.compute_logits(hidden, upcast=False)  # [3, vocab]
+    assert raw.dtype == torch.bfloat16 and torch.equal(raw.float(), model.compute_logits(hidden))
 
 
 if __name__ == "__main__":
