@@ -121,7 +121,14 @@ class _Timer:
         setattr(obj, name, timed)
 
 
-def measure(batch: int, num_steps: int, device: torch.device, prompt_len: int = 64, seed: int = 0) -> dict:
+def measure(
+    batch: int,
+    num_steps: int,
+    device: torch.device,
+    num_waiting: int = 0,
+    prompt_len: int = 64,
+    seed: int = 0,
+) -> dict:
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
     core, model = build(batch, device, clock)
     gen = torch.Generator().manual_seed(seed)
@@ -130,6 +137,8 @@ def measure(batch: int, num_steps: int, device: torch.device, prompt_len: int = 
         core.add_request(f"r{i}", torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist(), params)
     while core.scheduler.waiting or any(r.num_output_tokens < 2 for r in core.scheduler.running):
         core.step()
+    for i in range(num_waiting):  # queued behind a full batch, as in an offline run
+        core.add_request(f"w{i}", torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist(), params)
     for _ in range(5):
         core.step()
     timer = _Timer(clock)
@@ -176,6 +185,7 @@ def main() -> None:
     parser.add_argument("--name", default="host_overhead_cpu")
     parser.add_argument("--baseline", type=Path, default=None, help="a previous JSON to compare with")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--waiting", type=int, default=0, help="requests queued behind the batch")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here; nothing measured")
@@ -185,7 +195,7 @@ def main() -> None:
     gc.collect()
     results = {}
     for batch in args.batches:
-        runs = [measure(batch, args.steps, device) for _ in range(args.repeats)]
+        runs = [measure(batch, args.steps, device, args.waiting) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["critical"])
         results[str(batch)] = best
         line = ", ".join(f"{k} {v:.3f}" for k, v in best.items())
@@ -205,6 +215,7 @@ def main() -> None:
             "unit": "ms per decode step (median; gc_mean: mean)",
             "device": args.device,
             "torch_threads": 1,
+            "num_waiting": args.waiting,
             "results": results,
         }
         if baseline:
