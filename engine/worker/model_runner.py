@@ -26,7 +26,7 @@ from pagedinfer.engine.core.scheduler_output import (
     TokenLogprobs,
 )
 from pagedinfer.engine.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
-from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput
+from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput, is_plain_greedy
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch
 from pagedinfer.kernels import ops
@@ -164,8 +164,13 @@ class ModelRunner:
         # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
         eos = [self.config.eos_token_ids] * len(rows)
         meta = self.sampling_metadata.build(rows, eos)
-        logits = self.model.compute_logits(hidden[inputs.attn_metadata.logits_indices])  # [N, V]
-        if self.spec_decoder is not None and any(g.draft_token_ids for g in groups):
+        speculative = self.spec_decoder is not None and any(g.draft_token_ids for g in groups)
+        # A plain greedy batch samples the argmax of the GEMM's own output: no fp32 copy of [N, V].
+        upcast = speculative or not is_plain_greedy(meta)
+        logits = self.model.compute_logits(
+            hidden[inputs.attn_metadata.logits_indices], upcast=upcast
+        )  # [N, V]
+        if speculative:
             return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect
         return PendingStep(start, rows, groups, meta, logits, self.sampler(logits, meta))
 
