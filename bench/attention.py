@@ -89,7 +89,6 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
         "triton": cases.ours_decode,
         "fused": lambda x: cases.ours_variant_decode(x, merge=cases.SplitMerge.FUSED),
         "pdl": lambda x: cases.ours_variant_decode(x, merge=cases.SplitMerge.PDL),
-        "prefetch": lambda x: cases.ours_variant_decode(x, prefetch=True),
         "sdpa": lambda x: cases.sdpa_decode(x, sdpa_name),
         "gather": lambda x: cases.gather_decode(x, sdpa_name),
     }
@@ -227,7 +226,8 @@ def _tune_lines(rows: list[dict]) -> list[str]:
                 best[merge] = t
         cells = [
             f"{m} {t['ms'] * 1e3:.1f}us ({t['config']['block_n']}/{t['config']['num_warps']}/"
-            f"{t['config']['num_stages']}, {t['num_splits']} sp)"
+            f"{t['config']['num_stages']}{'/r' + str(t['config']['maxnreg']) if t['config'].get('maxnreg') else ''}"
+            f", {t['num_splits']} sp)"
             for m, t in sorted(best.items())
         ]
         lines.append(

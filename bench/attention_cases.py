@@ -31,13 +31,14 @@ class Heads:
 
 LLAMA = Heads("llama3-8b", 32, 8, 128)
 SMOLLM2 = Heads("smollm2-135m", 9, 3, 64)
-# Small-grid decode sweep: (block_n, warps, stages, prefetch) tiles x split merges (x split counts
-# in tune_decode). Stages do nothing here: Triton does not pipeline this loop (NOTES.md v4).
-DECODE_TILES = ((64, 4, 3, False), (64, 4, 1, True), (32, 4, 1, True), (64, 8, 1, True), (32, 8, 1, True),
-                (128, 8, 1, True))  # fmt: skip
+# Small-grid decode sweep: (block_n, warps, stages, maxnreg) tiles x split merges (x split counts
+# in tune_decode). Stages do nothing here: Triton does not pipeline this loop, and the register
+# prefetch variant (DecodeConfig.prefetch) lost everywhere in run 6 (NOTES.md v4). What is left to
+# try is occupancy: fewer registers (a cap, or 2 warps) for 4 resident programs an SM instead of 2.
+DECODE_TILES = ((64, 4, 3, None), (64, 4, 3, 128), (32, 4, 3, 128), (64, 2, 3, None), (32, 2, 3, None))
 DECODE_SWEEP = [
-    DecodeConfig(n, w, s, merge, prefetch)
-    for (n, w, s, prefetch), merge in itertools.product(DECODE_TILES, SplitMerge)
+    DecodeConfig(n, w, s, merge, maxnreg=maxnreg)
+    for (n, w, s, maxnreg), merge in itertools.product(DECODE_TILES, SplitMerge)
 ]
 EXTEND_SWEEP = [
     ExtendConfig(m, n, w, s)
