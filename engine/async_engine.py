@@ -107,9 +107,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="pagedinfer-engine", daemon=True)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Start loading on the engine thread and return at once; `startup_phase` tracks progress."""
-        engine = cls(config)
+    def from_config(cls, config: EngineConfig, builder: Callable | None = None) -> AsyncEngine:
+        """Start loading on the engine thread and return at once; `startup_phase` tracks progress.
+        `builder` defaults to engine_builder.build_engine (in this process);
+        core_process.build_remote_engine runs the core in a process of its own."""
+        engine = cls(config, builder)
         engine._thread.start()
         return engine
 
@@ -170,7 +172,12 @@ class AsyncEngine:
             return
         self._ready_at = time.monotonic()
         self._set_phase("ready")
-        self._loop(self._built.core)
+        try:
+            self._loop(self._built.core)
+        finally:
+            close = getattr(self._built.core, "close", None)  # a core in another process
+            if close is not None:
+                close()
 
     def _loop(self, core) -> None:
         while True:
@@ -197,7 +204,7 @@ class AsyncEngine:
     def _admit(self, core, new: _NewRequest) -> None:
         try:
             core.add_request(new.request_id, new.prompt_token_ids, new.params, new.priority, new.arrival_time)
-        except (InvalidRequestError, EngineOverloadedError) as exc:
+        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
             self._fail(new.request_id, exc)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:

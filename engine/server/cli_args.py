@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from pagedinfer.engine.config import (
     DEFAULT_MODEL_URI,
@@ -58,6 +59,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     srv.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
     srv.add_argument("--max-ws-message-bytes", type=int, default=ServerConfig.max_ws_message_bytes)
     srv.add_argument("--enable-vllm-metrics", action=argparse.BooleanOptionalAction, default=True)
+    srv.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine core (model, scheduler, detokenizer) in a process of its own",
+    )
+    srv.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for this process (Python's default: 5 ms); see apply_process_settings",
+    )
     p.set_defaults(func=run_serve_command)
     return p
 
@@ -118,7 +130,20 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def apply_process_settings(args: argparse.Namespace) -> None:
+    """The GIL switch interval: the engine thread drops the GIL in every syscall and device wait
+    (and in each wake-up of the event loop), and then waits up to one interval for the asyncio
+    thread, busy encoding responses, to hand it back. Shorter means less engine stall per step."""
+    if args.gil_switch_interval_ms is not None:
+        if args.gil_switch_interval_ms <= 0:
+            raise SystemExit("--gil-switch-interval-ms must be > 0")
+        sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
+    from pagedinfer.engine.server.engine_handle import default_loader, engine_process_loader
     from pagedinfer.engine.server.serve import run_server  # heavy imports only when serving
 
-    return run_server(engine_config_from_args(args), server_config_from_args(args))
+    apply_process_settings(args)
+    loader = engine_process_loader if args.engine_process else default_loader
+    return run_server(engine_config_from_args(args), server_config_from_args(args), loader)

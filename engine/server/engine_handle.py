@@ -63,6 +63,14 @@ def default_loader(config: EngineConfig) -> Any:
     return AsyncEngine.from_config(config)
 
 
+def engine_process_loader(config: EngineConfig) -> Any:
+    """The engine core (model, scheduler, detokenizer) in a process of its own."""
+    from pagedinfer.engine.async_engine import AsyncEngine
+    from pagedinfer.engine.core_process import build_remote_engine
+
+    return AsyncEngine.from_config(config, build_remote_engine)
+
+
 class EngineHandle:
     """Owns one AsyncEngine for the servers of a process."""
 

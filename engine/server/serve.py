@@ -130,10 +130,12 @@ class ServerProcess:
             await asyncio.sleep(0.25)
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def run_server(
+    engine_config: EngineConfig, server_config: ServerConfig, loader: EngineLoader = default_loader
+) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def main() -> int:  # the gRPC server and events bind to the loop asyncio.run makes
-        return await ServerProcess(engine_config, server_config).run()
+        return await ServerProcess(engine_config, server_config, loader).run()
 
     return asyncio.run(main())

@@ -11,11 +11,17 @@ import time
 import grpc
 import httpx
 import openai
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def test_startup_probes_while_loading_then_sigterm_drain(server_proc_cls) -> None:
-    proc = server_proc_cls().start()
+@pytest.mark.parametrize(
+    "extra_args",
+    [(), ("--engine-process", "--gil-switch-interval-ms", "1")],
+    ids=["in-process", "engine-process"],
+)
+def test_startup_probes_while_loading_then_sigterm_drain(server_proc_cls, extra_args) -> None:
+    proc = server_proc_cls(extra_args=extra_args).start()
     try:
         phases = _watch_startup(proc)
         assert phases[0][0] == 503 and phases[-1] == (200, "ready"), phases

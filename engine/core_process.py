@@ -1,0 +1,276 @@
+"""The engine core in a process of its own (`pagedinfer serve --engine-process`), vLLM V1 style.
+
+The server process keeps the asyncio front (AsyncEngine: streams, aborts, merging) and a copy of
+the tokenizer for prompts and chat templates; the core process owns the model, the scheduler and
+the detokenizer and runs its step loop on its own GIL, so encoding responses for many streams
+never delays a step. One duplex pipe (pickled messages) joins them:
+
+    server -> core   ("add", _Add) | ("abort", request_id) | ("stop",)
+    core -> server   ("phase", name) | ("ready", CoreInfo) | ("failed", message)
+                     ("step", outputs, [StepStats], stats dict)
+
+`RemoteCore` is the server side: it offers what AsyncEngine's loop calls on an EngineCore
+(validate, add_request, abort, has_unfinished, step, stats, add_step_listener) and `close`.
+`step()` waits for the next step message; the core steps on its own meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedinfer.engine.config import EngineConfig
+from pagedinfer.engine.core.scheduler_output import StepStats
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the server side needs to validate requests and describe the model."""
+
+    model_config: Any
+    tokenizer: _TokenizerRecipe | None
+    max_model_len: int
+    vocab_size: int | None
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class _TokenizerRecipe:
+    """A Tokenizer's constructor arguments: the compiled chat template inside it does not pickle
+    (a Tokenizer.__reduce__ would make this unnecessary)."""
+
+    backend: Any
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None
+    stop_token_ids: tuple[int, ...]
+    special_tokens: dict[str, str]
+
+    @classmethod
+    def of(cls, tok) -> _TokenizerRecipe | None:
+        if tok is None:
+            return None
+        special = {k: v for k, v in tok._special_tokens.items() if k not in ("bos_token", "eos_token")}
+        return cls(tok.backend, tok.bos_token, tok.eos_token, tok.chat_template, tok.stop_token_ids, special)
+
+    def build(self):
+        from pagedinfer.engine.tokenizer import Tokenizer
+
+        return Tokenizer(
+            self.backend,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            chat_template=self.chat_template,
+            extra_stop_token_ids=self.stop_token_ids,
+            special_tokens=self.special_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+# ---- the core process -------------------------------------------------------------------------
+def _core_main(config: EngineConfig, conn) -> None:
+    """Entry point of the spawned process: build, then step whenever there is work."""
+    from pagedinfer.engine.engine_builder import build_engine
+
+    try:
+        built = build_engine(config, lambda phase: conn.send(("phase", phase)))
+    except Exception as exc:  # reported to the server, which marks startup failed
+        logger.exception("engine core startup failed")
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    core = built.core
+    step_stats: list[StepStats] = []
+    core.add_step_listener(step_stats.append)
+    kv = core.scheduler.kv
+    info = CoreInfo(
+        built.model_config,
+        _TokenizerRecipe.of(built.tokenizer),
+        built.max_model_len,
+        core.vocab_size,
+        kv.num_blocks,
+        kv.block_size,
+        core.scheduler.config.max_num_seqs,
+    )
+    conn.send(("ready", info))
+    _serve(core, conn, step_stats)
+
+
+def _serve(core, conn, step_stats: list[StepStats]) -> None:
+    outputs: list[RequestOutput] = []
+    while True:
+        while conn.poll(0) or not (core.has_unfinished() or outputs):  # block only when idle
+            msg = conn.recv()
+            if msg[0] == "stop":
+                return
+            if msg[0] == "abort":
+                outputs += core.abort(msg[1])
+            else:
+                outputs += _admit(core, msg[1])
+        if core.has_unfinished():
+            outputs += core.step()
+        conn.send(("step", outputs, step_stats[:], core.stats()))
+        outputs, step_stats[:] = [], []
+
+
+def _admit(core, add: _Add) -> list[RequestOutput]:
+    """Add a request; a late rejection (the server validated with the same limits, so this is a
+    race with the waiting queue) ends its stream with an error finish."""
+    try:
+        core.add_request(add.request_id, add.prompt_token_ids, add.params, add.priority, add.arrival_time)
+        return []
+    except (InvalidRequestError, EngineOverloadedError) as exc:
+        deltas = [
+            CompletionDelta(i, finish_reason=FinishReason.ERROR, error=str(exc)) for i in range(add.params.n)
+        ]
+        usage = Usage(prompt_tokens=len(add.prompt_token_ids), completion_tokens=0)
+        return [RequestOutput(add.request_id, deltas, finished=True, usage=usage)]
+
+
+# ---- the server side --------------------------------------------------------------------------
+@dataclass
+class _SchedulerView:
+    """The scheduler numbers AsyncEngine reads (as of the last step message)."""
+
+    num_waiting: int = 0
+
+
+@dataclass
+class RemoteBuilt:
+    """Same fields as engine_builder.BuiltEngine, with the core behind a pipe."""
+
+    core: RemoteCore
+    model_config: Any
+    tokenizer: Any
+    max_model_len: int
+
+
+class RemoteCore:
+    """Server-side stand-in for EngineCore; the real one runs in the child process."""
+
+    def __init__(self, process, conn, info: CoreInfo) -> None:
+        self._process = process
+        self._conn = conn
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.scheduler = _SchedulerView()
+        self._in_flight: set[str] = set()
+        self._stats: dict[str, float] = {"num_running": 0.0, "num_waiting": 0.0, "kv_cache_usage": 0.0}
+        self._listeners: list[Callable[[StepStats], None]] = []
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """EngineCore.validate's checks, from the limits the core reported at startup."""
+        num, info = len(prompt_token_ids), self.info
+        if num == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if num >= info.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num} tokens; this model's context is {info.max_model_len} "
+                f"(prompt + at least one output token must fit)"
+            )
+        if info.vocab_size is not None and any(t < 0 or t >= info.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {info.vocab_size})")
+        blocks = -(-(num + 1) // info.block_size)
+        if blocks > info.num_blocks:
+            raise InvalidRequestError(f"the prompt needs {blocks} KV blocks; the cache has {info.num_blocks}")
+        if params.n > info.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={info.max_num_seqs}")
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, arrival_time=None) -> None:
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._send(("add", _Add(request_id, list(prompt_token_ids), params, priority, arrival)))
+        self._in_flight.add(request_id)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Asks the core; the aborted request's final output comes with a later step."""
+        if request_id in self._in_flight:
+            self._send(("abort", request_id))
+        return []
+
+    def has_unfinished(self) -> bool:
+        return bool(self._in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        """The next step's outputs (blocks until the core sends them)."""
+        try:
+            kind, outputs, step_stats, stats = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._in_flight.clear()
+            raise EngineDeadError(f"the engine core process exited ({self._process.exitcode})") from exc
+        assert kind == "step"
+        self._stats = stats
+        self.scheduler.num_waiting = int(stats.get("num_waiting", 0))
+        for out in outputs:
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        for s in step_stats:
+            for callback in self._listeners:
+                callback(s)
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        return self._stats
+
+    def add_step_listener(self, callback: Callable[[StepStats], None]) -> None:
+        self._listeners.append(callback)
+
+    def close(self) -> None:
+        """Stop the core process (the AsyncEngine loop has ended: nothing is in flight)."""
+        with contextlib.suppress(OSError):  # already gone
+            self._conn.send(("stop",))
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+        self._conn.close()
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self._conn.send(msg)
+        except OSError as exc:
+            raise EngineDeadError("the engine core process is gone") from exc
+
+
+def build_remote_engine(config: EngineConfig, on_phase: Callable[[str], None]) -> RemoteBuilt:
+    """Spawn the core process and wait until it is ready (a builder for AsyncEngine)."""
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+    conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(
+        target=_core_main, args=(config, child_conn), name="pagedinfer-engine-core", daemon=True
+    )
+    process.start()
+    child_conn.close()
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError as exc:
+            raise RuntimeError(f"engine core process exited during startup ({process.exitcode})") from exc
+        if msg[0] == "phase":
+            on_phase(msg[1])
+        elif msg[0] == "failed":
+            process.join(30)
+            raise RuntimeError(msg[1])
+        else:
+            info: CoreInfo = msg[1]
+            core = RemoteCore(process, conn, info)
+            tokenizer = None if info.tokenizer is None else info.tokenizer.build()
+            return RemoteBuilt(core, info.model_config, tokenizer, info.max_model_len)
