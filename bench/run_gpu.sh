@@ -63,9 +63,11 @@ step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
-# Llama-3-8B shape, 128k vocab, no network; two engines at 0.42 of the GPU each; ~2-3 min)
+# Llama-3-8B shape, 128k vocab, no network), plus the same server with --engine-process (modes
+# grpc/ep, http/ep); three engines at 0.28 of the GPU each; ~2-3 min
 step bench_serving "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
-  --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 --out "$OUTDIR"
+  --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 \
+  --variant "ep=--engine-process" --out "$OUTDIR"
 # speculative decoding: (a) n-gram on SmolLM2 (SPEC_MODEL=<.gguf>, else the builtin; skipped with a
 # message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
 step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads ngram,pair \

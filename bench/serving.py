@@ -219,12 +219,19 @@ class Server:
     proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600) -> Server:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> Server:
         argv = [sys.executable, "-m", "pagedinfer.engine.cli", "serve", "--host", "127.0.0.1"]
         argv += ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), *self.args]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
             argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()
         )
+        return self
+
+    def wait_ready(self, timeout: float = 600) -> Server:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -264,7 +271,7 @@ async def _offline_engine(args):
     return engine
 
 
-async def sweep(server: Server, args, vocab: int) -> list[LevelResult]:
+async def sweep(servers: dict[str, Server], args, vocab: int) -> list[LevelResult]:
     """Rounds interleave the modes (offline, gRPC, HTTP) at each N, so a noisy neighbour hits all
     of them alike; tokens/s is the median over rounds, latencies pool every request. gRPC and
     HTTP clients run in `--client-procs` processes of their own; the offline peer's clients are
@@ -273,14 +280,15 @@ async def sweep(server: Server, args, vocab: int) -> list[LevelResult]:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine = None if args.no_offline else await _offline_engine(args)
-    pool = ClientPool(
-        args.client_procs, server.http_port, server.grpc_port, args.max_tokens, max(args.levels)
-    )
-    modes = (["offline"] if engine is not None else []) + args.protocols
+    ports = {label: (s.http_port, s.grpc_port) for label, s in servers.items()}
+    pool = ClientPool(args.client_procs, ports, args.max_tokens, max(args.levels))
+    # mode "grpc" / "http" on the base server, "grpc/LABEL" on the --variant server LABEL
+    served = [p + (f"/{label}" if label else "") for label in servers for p in args.protocols]
+    modes = (["offline"] if engine is not None else []) + served
     warm = prompts(1, args.prompt_len, vocab)[0]
     out = []
     try:
-        pool.warm(args.protocols, warm)
+        pool.warm(served, warm)
         if engine is not None:
             await offline_request(engine, params, warm)
         for n in args.levels:
@@ -318,7 +326,7 @@ def summarize_rounds(mode: str, n: int, rounds: list[tuple[list[RequestResult], 
 def _fmt(r: LevelResult) -> str:
     ratio = f" ratio_vs_offline={r.ratio_vs_offline:.3f}" if r.ratio_vs_offline is not None else ""
     return (
-        f"{r.mode:7s} N={r.concurrency:<4d} reqs={r.num_requests:<4d} tok/s={r.tokens_per_second:8.2f} "
+        f"{r.mode:14s} N={r.concurrency:<4d} reqs={r.num_requests:<4d} tok/s={r.tokens_per_second:8.2f} "
         f"TTFT p50/p99={r.ttft_p50 * 1e3:8.1f}/{r.ttft_p99 * 1e3:8.1f} ms ITL p50/p99={r.itl_p50 * 1e3:7.1f}/{r.itl_p99 * 1e3:7.1f} ms{ratio}"
     )
 
@@ -326,8 +334,9 @@ def _fmt(r: LevelResult) -> str:
 def server_args(args) -> list[str]:
     """Flags for the server and (parsed by the same parser) the in-process offline engine."""
     base = ["--model", args.model, "--device", args.device, "--max-num-seqs", str(max(args.levels))]
-    if args.device.startswith("cuda"):  # both engines live at once (interleaved rounds): half each
-        base += ["--gpu-memory-utilization", "0.42"]
+    if args.device.startswith("cuda"):  # all engines live at once (interleaved rounds): share the GPU
+        num_engines = 2 + len(args.variant)
+        base += ["--gpu-memory-utilization", f"{0.84 / num_engines:.3f}"]
     if args.max_model_len:
         base += ["--max-model-len", str(args.max_model_len)]
     return base + args.server_arg
@@ -340,7 +349,7 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in ("offline", "grpc", "http"):
+    for mode in dict.fromkeys(r.mode for r in results):
         rows = [r for r in results if r.mode == mode]
         if not rows:
             continue
@@ -380,6 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-offline", action="store_true", help="skip the in-process peer")
     p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="also serve with these extra flags (e.g. 'ep=--engine-process'); its modes are grpc/LABEL, "
+        "http/LABEL, interleaved with the rest (repeatable)",
+    )
+    p.add_argument(
         "--client-procs",
         type=int,
         default=max(1, (os.cpu_count() or 1) // 4),
@@ -408,19 +425,28 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (timeouts in run_gpu.sh) still stops the server child through the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    server = Server(server_args(args)).start()
+    servers = {"": Server(server_args(args))}
+    for spec in args.variant:
+        label, _, flags = spec.partition("=")
+        servers[label] = Server(server_args(args) + flags.split())
     try:
+        for s in servers.values():  # all load at once
+            s.launch()
+        for s in servers.values():
+            s.wait_ready()
+        server = servers[""]
         info = httpx.get(f"http://127.0.0.1:{server.http_port}/v1/models").json()["data"][0]
         from pagedinfer.engine.server.proto_gen import inference_pb2  # noqa: F401  (stubs before timing)
 
         vocab = _vocab(server)
-        results = asyncio.run(sweep(server, args, vocab))
+        results = asyncio.run(sweep(servers, args, vocab))
     finally:
-        server.stop()
+        for s in servers.values():
+            s.stop()
     lines = [_fmt(r) for r in results]
     lines += ["", "serving overhead (server tok/s / offline tok/s, target >= 0.95):"]
     lines += [
-        f"  {r.mode:5s} N={r.concurrency:<4d} ratio={r.ratio_vs_offline:.3f}"
+        f"  {r.mode:14s} N={r.concurrency:<4d} ratio={r.ratio_vs_offline:.3f}"
         for r in results
         if r.ratio_vs_offline
     ]
@@ -463,6 +489,8 @@ def _write(args, results: list[LevelResult], info: dict, lines: list[str]) -> No
             "ignore_eos": True,
             "torch_threads": args.torch_threads,
             "client_procs": args.client_procs,
+            "server_args": args.server_arg,
+            "variants": args.variant,
         },
         "results": [asdict(r) for r in results],
     }

@@ -94,7 +94,7 @@ async def grpc_request(stub, pb, prompt_ids: list[int], max_tokens: int) -> Requ
 class _Worker:
     """One client process: a persistent event loop with its connections."""
 
-    def __init__(self, http_port: int, grpc_port: int, max_tokens: int, max_clients: int) -> None:
+    def __init__(self, ports: dict[str, tuple[int, int]], max_tokens: int, max_clients: int) -> None:
         import grpc
 
         from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
@@ -102,23 +102,27 @@ class _Worker:
 
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        self.url = f"http://127.0.0.1:{http_port}"
         self.max_tokens = max_tokens
         self.pb = pb
         limits = httpx.Limits(max_connections=max_clients + 4, max_keepalive_connections=max_clients + 4)
         self.client = httpx.AsyncClient(timeout=None, limits=limits)
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
-        self.stub = pb_grpc.InferenceServiceStub(self.channel)
+        self.urls = {label: f"http://127.0.0.1:{http}" for label, (http, _) in ports.items()}
+        self.channels = {
+            label: grpc.aio.insecure_channel(f"127.0.0.1:{g}") for label, (_, g) in ports.items()
+        }
+        self.stubs = {label: pb_grpc.InferenceServiceStub(ch) for label, ch in self.channels.items()}
 
     def one(self, mode: str, prompt_ids: list[int]):
-        if mode == "grpc":
-            return grpc_request(self.stub, self.pb, prompt_ids, self.max_tokens)
-        return http_request(self.client, self.url, prompt_ids, self.max_tokens)
+        """mode: "grpc" | "http", optionally "/LABEL" for a variant server."""
+        protocol, _, label = mode.partition("/")
+        if protocol == "grpc":
+            return grpc_request(self.stubs[label], self.pb, prompt_ids, self.max_tokens)
+        return http_request(self.client, self.urls[label], prompt_ids, self.max_tokens)
 
     async def clients(
         self, mode: str, jobs: list[list[list[int]]], start_at: float
     ) -> tuple[list[RequestResult], float, float]:
-        await self.channel.channel_ready()
+        await self.channels[mode.partition("/")[2]].channel_ready()
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         start = time.monotonic()
 
@@ -132,9 +136,9 @@ class _Worker:
 _WORKER: _Worker | None = None  # one per worker process, set by the pool's initializer
 
 
-def _init_worker(http_port: int, grpc_port: int, max_tokens: int, max_clients: int) -> None:
+def _init_worker(ports: dict[str, tuple[int, int]], max_tokens: int, max_clients: int) -> None:
     global _WORKER
-    _WORKER = _Worker(http_port, grpc_port, max_tokens, max_clients)
+    _WORKER = _Worker(ports, max_tokens, max_clients)
 
 
 def _run_clients(mode: str, jobs: list[list[list[int]]], start_at: float):
@@ -153,13 +157,14 @@ def _warm(mode: str, prompt_ids: list[int], hold: float) -> int:
 class ClientPool:
     """k client processes (spawned: no inherited CUDA or threads) that run N clients per level."""
 
-    def __init__(self, num_procs: int, http_port: int, grpc_port: int, max_tokens: int, max_clients: int):
+    def __init__(self, num_procs: int, ports: dict[str, tuple[int, int]], max_tokens: int, max_clients: int):
+        """ports: server label ("" for the base server) -> (HTTP port, gRPC port)."""
         self.num_procs = num_procs
         self._pool = ProcessPoolExecutor(
             num_procs,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(http_port, grpc_port, max_tokens, -(-max_clients // num_procs)),
+            initargs=(ports, max_tokens, -(-max_clients // num_procs)),
         )
 
     def warm(self, modes: list[str], prompt_ids: list[int]) -> None:
