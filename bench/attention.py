@@ -155,7 +155,7 @@ def _rows(result: dict, kind: str, model: str = cases.LLAMA.name) -> list[dict]:
 
 
 def _decode_lines(rows: list[dict]) -> list[str]:
-    names = ("triton", "fused", "pdl", "prefetch", "cuda", "sdpa", "gather")
+    names = ("triton", "fused", "pdl", "cuda", "sdpa", "gather")
     lines = [
         f"{'batch':>5} {'ctx':>5} | "
         + " | ".join(f"{n:>22}" for n in names)
@@ -204,7 +204,7 @@ def summarize(result: dict) -> str:
         floor_ms = b1[0]["kv_bytes"] / result["copy_gbps"] / 1e6
         got = ", ".join(
             f"{n} {b1[0][n]['ms'] * 1e3:.1f} us ({b1[0][n]['ms'] / floor_ms:.2f}x)"
-            for n in ("triton", "fused", "pdl", "prefetch")
+            for n in ("triton", "fused", "pdl")
             if "ms" in b1[0].get(n, {})
         )
         lines.append(f"llama batch 1 x ctx 8192: bandwidth floor {floor_ms * 1e3:.1f} us; {got}")
@@ -221,7 +221,6 @@ def _tune_lines(rows: list[dict]) -> list[str]:
         best: dict[str, dict] = {}
         for t in r["tune"]:
             merge = t["config"]["merge"] if t["num_splits"] > 1 else "none"
-            merge += "+pf" if t["config"].get("prefetch") else ""
             if "ms" in t and (merge not in best or t["ms"] < best[merge]["ms"]):
                 best[merge] = t
         cells = [

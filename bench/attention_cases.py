@@ -32,9 +32,8 @@ class Heads:
 LLAMA = Heads("llama3-8b", 32, 8, 128)
 SMOLLM2 = Heads("smollm2-135m", 9, 3, 64)
 # Small-grid decode sweep: (block_n, warps, stages, maxnreg) tiles x split merges (x split counts
-# in tune_decode). Stages do nothing here: Triton does not pipeline this loop, and the register
-# prefetch variant (DecodeConfig.prefetch) lost everywhere in run 6 (NOTES.md v4). What is left to
-# try is occupancy: fewer registers (a cap, or 2 warps) for 4 resident programs an SM instead of 2.
+# in tune_decode). Stages change nothing (Triton does not pipeline this loop); a register cap or 2
+# warps give 4 resident programs an SM instead of 2 (NOTES.md v4, run 7: no gain at batch 1).
 DECODE_TILES = ((64, 4, 3, None), (64, 4, 3, 128), (32, 4, 3, 128), (64, 2, 3, None), (32, 2, 3, None))
 DECODE_SWEEP = [
     DecodeConfig(n, w, s, merge, maxnreg=maxnreg)
@@ -301,9 +300,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
-    names = ["triton", "fused", "pdl", "prefetch", "cuda", "sdpa", "gather"]
+    names = ["triton", "fused", "pdl", "cuda", "sdpa", "gather"]
     rows = [r for r in result["decode"] if r.get("model", LLAMA.name) == LLAMA.name]
-    width = 0.12
+    width = 0.14
     for i, name in enumerate(names):
         xs = [j + i * width for j, r in enumerate(rows) if "gbps" in r.get(name, {})]
         ys = [r[name]["gbps"] for r in rows if "gbps" in r.get(name, {})]

@@ -48,45 +48,9 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     merge: SplitMerge | None = None
-    # Software prefetch in registers: the next tile's K/V and the block ids two tiles ahead are
-    # loaded before the current tile is computed. Triton leaves this loop unpipelined (no async
-    # copies in the TTGIR), so one program otherwise waits two dependent DRAM round trips a tile.
-    prefetch: bool = False
     # ptxas register cap (Triton's maxnreg): ptxas gives the v3 tile ~210-255 registers a thread,
     # which allows only 2 programs of 4 warps per SM; a cap trades a few spills for occupancy.
     maxnreg: int | None = None
-
-
-@triton.jit
-def _load_ids(table_row, pos, end, BLOCK_SIZE: tl.constexpr):
-    """Block ids of token positions pos [BLOCK_N] (0 past end: those lanes load nothing)."""
-    return tl.load(table_row + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
-
-
-@triton.jit
-def _load_kv(k_base, v_base, block_ids, pos, end, d, d_mask, stride_kb, stride_ks, stride_vb, stride_vs,
-             BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """K and V tiles [BLOCK_N, D_PAD] of positions pos from the paged cache (0 past end)."""
-    offsets = pos % BLOCK_SIZE
-    kv_mask = (pos < end)[:, None] & d_mask[None, :]
-    k_ptrs = k_base + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
-    v_ptrs = v_base + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale):
-    """One online-softmax step of q [G, D] over the tile k/v [BLOCK_N, D]; n_mask: valid keys."""
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -125,7 +89,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge kernel may be scheduled now; it waits for our results
@@ -151,38 +114,24 @@ def _decode_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    n = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        ids_next = _load_ids(table_row, start + BLOCK_N + n, end, BLOCK_SIZE)
-        ids = _load_ids(table_row, start + n, end, BLOCK_SIZE)
-        k, v = _load_kv(k_base, v_base, ids, start + n, end, d, d_mask, stride_kb, stride_ks, stride_vb, stride_vs,
-                        BLOCK_SIZE)  # fmt: skip
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + n  # [BLOCK_N]
-            ids_after = _load_ids(table_row, pos + 2 * BLOCK_N, end, BLOCK_SIZE)
-            k_next, v_next = _load_kv(k_base, v_base, ids_next, pos + BLOCK_N, end, d, d_mask, stride_kb,
-                                      stride_ks, stride_vb, stride_vs, BLOCK_SIZE)  # fmt: skip
-            m_i, l_i, acc = _attend_tile(q, k, v, pos < end, m_i, l_i, acc, qk_scale)
-            k, v, ids_next = k_next, v_next, ids_after
-    else:  # the v3 loop (large grids stream at the copy bandwidth with it)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + n  # [BLOCK_N]
-            n_mask = pos < end
-            block_ids = _load_ids(table_row, pos, end, BLOCK_SIZE)
-            offsets = pos % BLOCK_SIZE
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k_ptrs = k_base + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_ptrs = v_base + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_mask = pos < end
+        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offsets = pos % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_base + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_base + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
 
     has_keys = l_i > 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -234,12 +183,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 def default_merge(num_programs: int, device: torch.device) -> SplitMerge:
     """The split-K merge for a grid of num_programs (sequence, KV head) pairs (H200, NOTES.md v4).
 
-    Tiny grids (batch 1-7 at 8 KV heads): PDL (1x512 6.8 -> 6.1 us, 1x8192 16.9 -> 16.3 us).
-    Larger split grids (batch 16): FUSED (16x2048 45.7 -> 44.0-44.4 us, 16x8192 142 -> 141).
+    Batch 1 (< 16 programs): PDL (1x512 6.8 -> 6.1 us, 1x8192 16.8 -> 16.3 us; 1x2048 within
+    noise). Other split grids: FUSED (16x2048 45.8 -> 44.3 us, 4x8192 45.8 -> 45.5, where PDL
+    measured 47-48 us in two of three runs). The CPU interpreter keeps KERNEL.
     """
     if device.type != "cuda":
         return SplitMerge.KERNEL
-    return SplitMerge.PDL if num_programs < 64 else SplitMerge.FUSED
+    return SplitMerge.PDL if num_programs < 16 else SplitMerge.FUSED
 
 
 def _choose_merge(config: DecodeConfig, num_splits: int, num_programs: int, device: torch.device):
@@ -331,7 +281,6 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         D_PAD=d_pad,
-        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),

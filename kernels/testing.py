@@ -41,7 +41,6 @@ class AttentionCase:
     num_splits: int | None = None
     shared_blocks: int = 0  # leading blocks every sequence shares (a common prefix)
     merge: str | None = None  # decode, Triton: "kernel" / "pdl" / "fused" (DecodeConfig.merge); None: default
-    prefetch: bool = False  # decode, Triton: DecodeConfig.prefetch
     repeat_splits: tuple[int, ...] = ()  # decode: call again with each split count (fused counters reset)
 
 
@@ -108,12 +107,11 @@ def _run_attention(case: AttentionCase, x: dict, backend: str, upcast: bool) -> 
         fn_decode, fn_extend = ops.paged_decode_attention, ops.paged_extend_attention
         kw = {"backend": backend}
     if case.kind == "decode":
-        if (case.merge is not None or case.prefetch) and backend == "triton":
+        if case.merge is not None and backend == "triton":
             from pagedinfer.kernels import decode_attention as da
 
-            merge = None if case.merge is None else da.SplitMerge(case.merge)
             config = da.default_config(q.shape[2], q.device)
-            config = dataclasses.replace(config, merge=merge, prefetch=case.prefetch)
+            config = dataclasses.replace(config, merge=da.SplitMerge(case.merge))
             fn_decode, kw = da.paged_decode_attention, {"config": config}
         if backend != "reference64":
             kw["num_splits"] = case.num_splits
@@ -218,9 +216,8 @@ INTERPRETER_CASES = (
     _C("decode_fused_group4_d128", "decode", (130, 7), num_heads=8, num_kv_heads=2, head_dim=128, num_splits=4,
        merge="fused"),
     _C("decode_pdl_merge_cpu", "decode", (17, 40), num_splits=3, merge="pdl"),
-    _C("decode_prefetch", "decode", (0, 1, 31, 33, 64, 97), num_heads=9, num_kv_heads=3, prefetch=True, num_splits=2),
-    _C("decode_prefetch_fused_bs8", "decode", (70, 130), num_heads=8, num_kv_heads=2, block_size=8, prefetch=True,
-       merge="fused", num_splits=3, repeat_splits=(1,)),
+    _C("decode_fused_bs8", "decode", (70, 130), num_heads=8, num_kv_heads=2, block_size=8, merge="fused",
+       num_splits=3, repeat_splits=(1, 4)),
     _C("decode_mqa_group16_bs64", "decode", (3, 64, 65, 100), num_heads=16, num_kv_heads=1, block_size=64),
     _C("decode_d128_many_splits", "decode", (130, 7), num_heads=4, num_kv_heads=1, head_dim=128, num_splits=5),
     _C("extend_prefill", "extend", (16, 33, 5), q_lens=(16, 33, 5), num_heads=9, num_kv_heads=3),
