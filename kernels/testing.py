@@ -216,6 +216,7 @@ INTERPRETER_CASES = (
     _C("decode_fused_group4_d128", "decode", (130, 7), num_heads=8, num_kv_heads=2, head_dim=128, num_splits=4,
        merge="fused"),
     _C("decode_pdl_merge_cpu", "decode", (17, 40), num_splits=3, merge="pdl"),
+    _C("decode_fused_mqa_g16", "decode", (3, 64, 100), num_heads=16, num_kv_heads=1, num_splits=5, merge="fused"),
     _C("decode_fused_bs8", "decode", (70, 130), num_heads=8, num_kv_heads=2, block_size=8, merge="fused",
        num_splits=3, repeat_splits=(1, 4)),
     _C("decode_mqa_group16_bs64", "decode", (3, 64, 65, 100), num_heads=16, num_kv_heads=1, block_size=64),

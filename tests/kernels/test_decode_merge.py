@@ -1,0 +1,37 @@
+"""Host-side choices of the split-K merge (kernels/decode_merge.py, decode_attention.py) on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedinfer.kernels import decode_attention as da  # noqa: E402
+from pagedinfer.kernels.decode_merge import CounterPool, SplitMerge, fused_split_chunk, pdl_supported  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_counter_pool_gives_one_zeroed_buffer_per_device():
+    pool = CounterPool()
+    first = pool.get(CPU, 10)
+    assert first is not None and first.dtype == torch.int32 and not bool(first.any())
+    assert pool.get(CPU, CounterPool.SIZE) is first  # the same buffer: graphs keep its address
+    assert pool.get(CPU, CounterPool.SIZE + 1) is None  # too many (seq, kv_head) pairs: caller falls back
+
+
+def test_merge_choice_on_the_cpu():
+    config = da.DecodeConfig(merge=SplitMerge.PDL)
+    assert not pdl_supported(CPU)
+    assert da._choose_merge(config, 4, 8, CPU) is SplitMerge.KERNEL  # PDL needs Hopper
+    assert da._choose_merge(config, 1, 8, CPU) is None  # nothing to merge
+    assert da._choose_merge(da.DecodeConfig(merge=SplitMerge.FUSED), 4, 8, CPU) is SplitMerge.FUSED
+    assert da.default_merge(8, CPU) is SplitMerge.KERNEL  # the interpreter keeps the plain kernel
+
+
+@pytest.mark.parametrize("group_p2,d_pad,expect", [(4, 128, 16), (16, 128, 4), (1, 256, 32), (64, 256, 2)])
+def test_fused_tile_stays_within_budget(group_p2, d_pad, expect):
+    chunk = fused_split_chunk(group_p2, d_pad, 128)
+    assert chunk == expect
+    assert chunk == 2 or group_p2 * chunk * d_pad <= 8192
