@@ -1,4 +1,4 @@
-"""Triton paged decode attention: GQA-grouped, split-K ("flash-decoding") with a reduction kernel.
+"""Triton paged decode attention: GQA-grouped, split-K ("flash-decoding"), partials merged after.
 
 Grid (num_seqs, num_kv_heads, num_splits). A program holds the GROUP query heads that share one
 KV head (padded to >= 16 rows for tl.dot), reads its share of the sequence's tokens straight
