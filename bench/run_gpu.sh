@@ -20,9 +20,15 @@ SUMMARY="$OUTDIR/SUMMARY.md"
 echo "# GPU run $(date -u +%FT%TZ)" >"$SUMMARY"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$SUMMARY" 2>&1 || true
 
+# STEPS="a b ..." runs only the named steps (plus wheels/build/versions), e.g. to split one run
+# over two machine calls; unset runs everything.
+STEPS=${STEPS:-}
 step() {  # step NAME COMMAND... : log to OUTDIR/NAME.log, time it, record the status
   local name=$1 start rc
   shift
+  if [[ -n $STEPS && $name != wheels && $name != build && $name != versions && " $STEPS " != *" $name "* ]]; then
+    return 0
+  fi
   start=$(date +%s)
   echo "== $name: $*"
   "$@" >"$OUTDIR/$name.log" 2>&1
@@ -55,12 +61,23 @@ fi
 step versions "$PY" -c "import torch, triton, pagedinfer.kernels; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 
 # 2. GPU correctness (tests marked gpu, full shapes, bf16/fp16)
-step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels
+# The fused elementwise kernels first: if they fail on this Triton, the engine runs the reference
+# (pre-fusion) ops for the rest of the run, and the summary says so.
+step test_fused_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fused_gpu.py
+if [[ " ${FAILED[*]} " == *" test_fused_gpu "* ]]; then
+  export PAGEDINFER_FUSED_KERNELS=0
+  echo "- fused kernels failed: PAGEDINFER_FUSED_KERNELS=0 for the rest of the run" >>"$SUMMARY"
+fi
+step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels --ignore=tests/kernels/test_fused_gpu.py
 
 # 3. benchmarks (each writes JSON + PNG + a text summary into OUTDIR)
 # shellcheck disable=SC2086  # ATTENTION_BENCH_ARGS (e.g. "--tune decode") splits into words
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
-step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py
+step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/models
+# one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
+step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
+# where a decode step's time goes: kernel time vs wall time per step (torch.profiler, 8B shape)
+step profile_decode "$PY" bench/profile_decode.py --out "$OUTDIR" --batches 1,256
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network), plus the same server with --engine-process (modes

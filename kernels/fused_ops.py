@@ -8,12 +8,17 @@ devices only, so a launch inside CUDA-graph capture never synchronizes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedinfer.kernels import checks, fused_reference
 from pagedinfer.kernels.ops import select_backend
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels take
+# Escape hatch for a Triton build these kernels fail on: PAGEDINFER_FUSED_KERNELS=0 runs the
+# (pre-fusion) reference ops everywhere; the attention kernels are unaffected.
+FUSED_KERNELS_ENABLED = os.environ.get("PAGEDINFER_FUSED_KERNELS", "1") != "0"
 
 
 def _fail(msg: str) -> None:
@@ -22,7 +27,9 @@ def _fail(msg: str) -> None:
 
 def _use_triton(t: torch.Tensor, backend: str | None) -> bool:
     """Triton for the kernels' dtypes; fp64 (tests) and anything else runs the reference."""
-    return select_backend(t.device, backend) == "triton" and t.dtype in KERNEL_DTYPES
+    return (
+        FUSED_KERNELS_ENABLED and select_backend(t.device, backend) == "triton" and t.dtype in KERNEL_DTYPES
+    )
 
 
 def _check_rows(name: str, t: torch.Tensor, ndim: int | None = 2) -> None:
