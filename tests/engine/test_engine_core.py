@@ -171,3 +171,18 @@ def test_no_block_leak_after_random_workload(tiny_llama_dir):
     assert core.scheduler.num_preemptions_total > 0
     assert kv.num_free_blocks == kv.num_blocks
     assert len(core.outputs) == 0
+
+
+def test_step_stats_count_every_token_once(tiny_llama_dir):
+    # Stats are accounted one step late (during the next forward) and flushed when idle.
+    chunked = make_llm(tiny_llama_dir, max_num_batched_tokens=7)
+    steps = []
+    chunked.core.add_step_listener(steps.append)
+    outs = chunked.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
+    computed_prompt = sum(len(o.prompt_token_ids) - o.usage.cached_prompt_tokens for o in outs)
+    assert [s.step for s in steps] == list(range(1, len(steps) + 1))
+    assert sum(s.num_prompt_tokens for s in steps) == computed_prompt
+    assert sum(s.num_generation_tokens for s in steps) == 12 * len(outs)
+    assert sum(s.num_finished for s in steps) == len(outs)
+    assert sum(s.num_scheduled_tokens for s in steps) == computed_prompt + 11 * len(outs)
+    assert chunked.core.stats()["generation_tokens_total"] == 12 * len(outs)
