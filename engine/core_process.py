@@ -44,6 +44,7 @@ class CoreInfo:
     num_blocks: int
     block_size: int
     max_num_seqs: int
+    stats: dict[str, float]  # core.stats() at startup (until the first step message)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def _core_main(config: EngineConfig, conn) -> None:
         kv.num_blocks,
         kv.block_size,
         core.scheduler.config.max_num_seqs,
+        core.stats(),
     )
     conn.send(("ready", info))
     _serve(core, conn, step_stats)
@@ -175,7 +177,7 @@ class RemoteCore:
         self.vocab_size = info.vocab_size
         self.scheduler = _SchedulerView()
         self._in_flight: set[str] = set()
-        self._stats: dict[str, float] = {"num_running": 0.0, "num_waiting": 0.0, "kv_cache_usage": 0.0}
+        self._stats = info.stats
         self._listeners: list[Callable[[StepStats], None]] = []
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

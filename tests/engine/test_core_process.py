@@ -29,6 +29,7 @@ async def test_remote_core_matches_in_process_and_aborts_and_stops(tiny_llama_di
         await asyncio.sleep(0.005)
     await asyncio.gather(local.wait_ready(), remote.wait_ready())
     assert "loading_weights" in phases and remote.max_model_len == local.max_model_len == 128
+    assert remote.stats().keys() == local.stats().keys()  # the full set before the first step
     steps = []
     remote.add_step_listener(steps.append)
 
