@@ -168,8 +168,9 @@ class EngineCore:
         """One iteration: schedule, launch the model, emit the previous step's outputs while the
         GPU runs, collect the samples, apply them.
 
-        Outputs therefore trail the scheduler by one step (flushed at once when the engine goes
-        idle); a stop string found then finishes its sequence before its next token is applied.
+        Outputs and step stats therefore trail the scheduler by one step (flushed at once when
+        the engine goes idle); a stop string found then finishes its sequence before its next
+        token is applied. Nothing that decides the next batch waits for them.
         """
         start = time.perf_counter()
         sched = self.scheduler.schedule()
