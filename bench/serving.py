@@ -168,9 +168,7 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], seed: int):
 
 
 def write_random_llama(folder: Path, shape: str, seed: int = 0) -> Path:
-    """A random Llama checkpoint (HF layout: config.json, model.safetensors, tokenizer.json)."""
-    from safetensors.torch import save_file
-
+    """A random Llama checkpoint (HF layout: config.json, safetensors shards, tokenizer.json)."""
     cfg = {"vocab_size": 258, "tie_word_embeddings": True, **RANDOM_SHAPES[shape]}
     cfg |= {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
     cfg |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16"}
@@ -200,8 +198,40 @@ def write_random_llama(folder: Path, shape: str, seed: int = 0) -> Path:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
-    save_file(dict(_random_weights(shapes, seed)), str(folder / "model.safetensors"))
+    _save_shards(folder, _random_weights(shapes, seed))
     return folder
+
+
+def _save_shards(folder: Path, weights, max_shard_bytes: int = 2 << 30) -> None:
+    """Shards of <= ~2 GB plus model.safetensors.index.json: the host never holds more than one
+    shard (and its serialized copy), not the 16 GB of an 8B model twice."""
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    shard: dict = {}
+    names: list[str] = []
+
+    def flush() -> None:
+        name = f"model-{len(names) + 1:05d}.safetensors"
+        save_file(shard, str(folder / name))
+        weight_map.update(dict.fromkeys(shard, name))
+        names.append(name)
+        shard.clear()
+
+    size = 0
+    for key, tensor in weights:
+        shard[key] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= max_shard_bytes:
+            flush()
+            size = 0
+    if shard:
+        flush()
+    index = {
+        "metadata": {"total_size": sum((folder / n).stat().st_size for n in names)},
+        "weight_map": weight_map,
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 # ---- server process ---------------------------------------------------------------------------
