@@ -38,6 +38,18 @@ def check_token_stop(request: Request, max_model_len: int) -> StopDecision | Non
     return None
 
 
+def may_stop(request: Request, token_id: int, max_model_len: int) -> bool:
+    """A cheap superset of `check_token_stop` for appending `token_id`: False means it cannot
+    stop there (min_tokens is ignored: it only ever prevents a stop)."""
+    num_output = len(request.output_token_ids) + 1
+    max_tokens = request.sampling_params.max_tokens
+    return (
+        token_id in request.stop_token_set
+        or num_output >= max_model_len - len(request.prompt_token_ids)
+        or (max_tokens is not None and num_output >= max_tokens)
+    )
+
+
 class StopStringMatcher:
     """Finds stop strings in a growing text and says how much of it is safe to stream.
 

@@ -24,7 +24,7 @@ from pagedinfer.engine.core.scheduler_output import (
 )
 from pagedinfer.engine.outputs import FinishReason
 from pagedinfer.engine.request import Request, RequestStatus
-from pagedinfer.engine.stop_checker import check_token_stop
+from pagedinfer.engine.stop_checker import check_token_stop, may_stop
 
 
 class Scheduler:
@@ -428,7 +428,7 @@ class Scheduler:
         if seq.spec_token_ids:
             seq.spec_token_ids = []
         token_ids = sampled.token_ids
-        if len(token_ids) == 1 and not self._may_stop(seq, token_ids[0]):
+        if len(token_ids) == 1 and not may_stop(seq, token_ids[0], self.max_model_len):
             seq.output_token_ids.append(token_ids[0])  # the common case: one token, no stop
             new_ids = token_ids
         else:
@@ -445,14 +445,4 @@ class Scheduler:
         logprobs = sampled.logprobs[: len(new_ids)] if sampled.logprobs is not None else None
         return SequenceUpdate(
             seq.seq_id, seq.request_id, seq.index, new_ids, logprobs, seq.finish_reason is not None
-        )
-
-    def _may_stop(self, seq: Request, token_id: int) -> bool:
-        """A cheap superset of `check_token_stop` for appending `token_id` (False: it cannot stop)."""
-        num_output = len(seq.output_token_ids) + 1
-        max_tokens = seq.sampling_params.max_tokens
-        return (
-            token_id in seq.stop_token_set
-            or num_output >= self.max_model_len - len(seq.prompt_token_ids)
-            or (max_tokens is not None and num_output >= max_tokens)
         )

@@ -13,7 +13,7 @@ from pagedinfer.engine.core.scheduler import Scheduler
 from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedinfer.engine.request import Request
 from pagedinfer.engine.sampling_params import SamplingParams
-from pagedinfer.engine.stop_checker import check_token_stop
+from pagedinfer.engine.stop_checker import check_token_stop, may_stop
 
 BACKENDS = ["ref"]
 if importlib.util.find_spec("pagedinfer._native") is not None:
@@ -105,7 +105,7 @@ def test_schedule_matches_definition_under_chunking_preemption_and_drafts(backen
 
 def test_may_stop_is_a_superset_of_check_token_stop():
     rng = random.Random(0)
-    s = _scheduler("ref", num_blocks=8, max_model_len=40)
+    max_model_len = 40
     for i in range(3000):
         max_tokens = rng.choice([None, rng.randint(1, 30)])
         params = SamplingParams(
@@ -118,7 +118,7 @@ def test_may_stop_is_a_superset_of_check_token_stop():
         seq = Request(i, f"r{i}", 0, prompt, params, 0.0, eos_token_ids=(2,))
         seq.output_token_ids = [rng.randrange(2, 8) for _ in range(rng.randint(0, 40 - len(prompt) - 1))]
         token = rng.randrange(2, 8)
-        may = s._may_stop(seq, token)
+        may = may_stop(seq, token, max_model_len)
         seq.output_token_ids.append(token)
-        decision = check_token_stop(seq, s.max_model_len)
+        decision = check_token_stop(seq, max_model_len)
         assert may or decision is None, (params, len(prompt), seq.output_token_ids)
