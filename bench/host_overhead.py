@@ -200,7 +200,9 @@ def main() -> None:
         results[str(batch)] = best
         line = ", ".join(f"{k} {v:.3f}" for k, v in best.items())
         print(f"batch {batch:4d}: ms/step {line}")
-    baseline = json.loads(args.baseline.read_text())["results"] if args.baseline else None
+    # A file of this script ("results"), or bench/results/host_overhead_cpu.json ("before").
+    doc = json.loads(args.baseline.read_text()) if args.baseline else {}
+    baseline = doc.get("results", doc.get("before"))
     if baseline:
         for batch, r in results.items():
             if batch in baseline:
