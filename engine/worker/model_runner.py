@@ -81,12 +81,13 @@ class PrefixMatchVerifier:
 class PendingStep:
     """A launched step whose samples are still on the device."""
 
-    start: torch.cuda.Event | None
+    start: torch.cuda.Event | None  # recorded just before the forward
     rows: list[SamplingRow]
     groups: list[VerifyGroup]
     meta: SamplingMetadata | None
     logits: torch.Tensor | None  # [N, V]
     sampled: SamplerOutput | None  # None: speculative rows, verified in collect()
+    end: torch.cuda.Event | None = None  # after the last enqueued kernel; None: recorded in collect()
 
 
 class ModelRunner:
@@ -148,13 +149,15 @@ class ModelRunner:
         """
         if sched.is_empty:
             return None
-        start = self._gpu_mark_start()
         if sched.block_copies:
             copies = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.config.device)
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], copies)
         logits_rows, rows, groups = self._sampling_plan(sched)
         key = self._graph_key(sched)
         inputs = self.batch.prepare(sched, logits_rows, key)
+        # Idle time is GPU time between one step's last kernel and the next step's forward: the
+        # host work in between (update, schedule, prepare) is what the GPU waits for.
+        start = self._gpu_event()
         if key is not None:
             hidden = self.graphs.replay(key)  # [B * q, H]
         else:
@@ -172,7 +175,8 @@ class ModelRunner:
         )  # [N, V]
         if speculative:
             return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect
-        return PendingStep(start, rows, groups, meta, logits, self.sampler(logits, meta))
+        sampled = self.sampler(logits, meta)
+        return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event())
 
     @torch.inference_mode()
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
@@ -185,7 +189,7 @@ class ModelRunner:
             result = self.spec_decoder.sample(pending.logits, pending.meta, pending.groups)
         else:
             result = self._collect(pending.sampled, pending.rows, pending.groups, pending.meta.num_logprobs)
-        self._gpu_mark_end(pending.start)
+        self._gpu_mark_end(pending.start, pending.end)
         return result
 
     def _graph_key(self, sched: SchedulerOutput) -> GraphKey | None:
@@ -272,18 +276,18 @@ class ModelRunner:
         return ModelRunnerOutput(results, num_draft, num_accepted, num_verified_seqs=num_verified)
 
     # ---- GPU idle-time accounting (CUDA only) --------------------------------------------------
-    def _gpu_mark_start(self) -> torch.cuda.Event | None:
+    def _gpu_event(self) -> torch.cuda.Event | None:
         if self.config.device.type != "cuda":
             return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
-    def _gpu_mark_end(self, start: torch.cuda.Event | None) -> None:
+    def _gpu_mark_end(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None) -> None:
         if start is None:
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        if end is None:
+            end = self._gpu_event()
         end.synchronize()
         if self._prev_end is not None:
             self.gpu_idle_s_total += self._prev_end.elapsed_time(start) / 1e3
