@@ -79,6 +79,10 @@ step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
 # where a decode step's time goes: kernel time vs wall time per step (torch.profiler, 8B shape)
 step profile_decode "$PY" bench/profile_decode.py --out "$OUTDIR" --batches 1,256
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
+# speculative decoding: (a) n-gram on SmolLM2 (SPEC_MODEL=<.gguf>, else the builtin; skipped with a
+# message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
+step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads ngram,pair \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network), plus the same server with --engine-process (modes
 # grpc/ep, http/ep); three engines at 0.28 of the GPU each; ~2-3 min (capped at 7). More variants:
@@ -87,10 +91,6 @@ step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
 step bench_serving timeout 420 "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
   --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 \
   --variant "ep=--engine-process" --out "$OUTDIR" ${SERVING_BENCH_ARGS:-}
-# speculative decoding: (a) n-gram on SmolLM2 (SPEC_MODEL=<.gguf>, else the builtin; skipped with a
-# message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
-step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads ngram,pair \
-  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
 
 # 4. summary
 for f in "$OUTDIR"/*_summary.txt; do
