@@ -11,7 +11,10 @@ take the most time (name, calls per step, us per step). Writes profile_decode.js
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -49,9 +52,11 @@ def random_model(mc: ModelConfig) -> LlamaForCausalLM:
     return model.eval()
 
 
-def profile_batch(core, batch: int, prompt_len: int, warm_steps: int, prof_steps: int) -> dict:
+def profile_batch(
+    core, batch: int, prompt_len: int, warm_steps: int, prof_steps: int, cprofile: bool = False
+) -> dict:
     """Fill `batch` sequences, step into steady decode, then profile `prof_steps` decode steps."""
-    params = SamplingParams(max_tokens=warm_steps + prof_steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=warm_steps + 2 * prof_steps + 8, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         ids = torch.randint(0, 128000, (prompt_len,), generator=g).tolist()
@@ -70,6 +75,14 @@ def profile_batch(core, batch: int, prompt_len: int, warm_steps: int, prof_steps
             core.step()
             walls.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
+    host = io.StringIO()
+    if cprofile:  # where the host's share of a step goes (cProfile slows Python ~1.5-2x)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(prof_steps):
+            core.step()
+        pr.disable()
+        pstats.Stats(pr, stream=host).sort_stats("tottime").print_stats(25)
     while core.has_unfinished():
         core.step()
     kernels: dict[str, list[float]] = {}
@@ -91,6 +104,7 @@ def profile_batch(core, batch: int, prompt_len: int, warm_steps: int, prof_steps
         "kernel_ms_per_step": total_us / 1e3,
         "kernels_per_step": sum(r["calls_per_step"] for r in rows),
         "top": rows[:30],
+        "host_profile": host.getvalue(),
     }
 
 
@@ -99,6 +113,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,256")
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile the host side of the steps")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = random_model(LLAMA3_8B)
@@ -110,7 +125,7 @@ def main() -> int:
     core = assemble_engine(config, model).core
     results = []
     for b in (int(x) for x in args.batches.split(",")):
-        r = profile_batch(core, b, args.prompt_len, warm_steps=4, prof_steps=6)
+        r = profile_batch(core, b, args.prompt_len, warm_steps=4, prof_steps=6, cprofile=args.cprofile)
         results.append(r)
         print(
             f"\n== batch {b}: wall {r['wall_ms_per_step_median']:.2f} ms/step, kernels "
@@ -118,6 +133,7 @@ def main() -> int:
         )
         for row in r["top"][:22]:
             print(f"{row['us_per_step']:9.1f} us {row['calls_per_step']:6.0f}x  {row['name']}")
+        print(r["host_profile"])
     (args.out / "profile_decode.json").write_text(json.dumps(results, indent=1))
     return 0
 
