@@ -174,9 +174,9 @@ class EngineCore:
         """
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        handle = self.runner.launch(sched)
+        forward = self.runner.launch_forward(sched)
         outputs = self._flush_pending()  # CPU work that overlaps the GPU's forward pass
-        result = self.runner.collect(handle)
+        result = self.runner.collect(self.runner.launch_sampling(forward))
         updates = self.scheduler.update(sched, result)
         if self.spec_decoder is not None:  # learn acceptance, draft the next step's tokens
             self.spec_decoder.after_step(sched, result, self.scheduler.running)

@@ -78,6 +78,17 @@ class PrefixMatchVerifier:
 
 
 @dataclass
+class LaunchedForward:
+    """A step whose forward pass is enqueued; logits and sampling are not yet."""
+
+    start: torch.cuda.Event | None  # recorded just before the forward
+    rows: list[SamplingRow]
+    groups: list[VerifyGroup]
+    hidden: torch.Tensor  # [num_tokens (or the graph's rows), H]
+    logits_indices: torch.Tensor  # [N] rows of `hidden` that are sampled
+
+
+@dataclass
 class PendingStep:
     """A launched step whose samples are still on the device."""
 
@@ -140,12 +151,16 @@ class ModelRunner:
         """One forward + sampling for the scheduled batch (launch, then wait for it)."""
         return self.collect(self.launch(sched))
 
-    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep | None:
-        """Enqueue the step's GPU work without waiting for it; `collect()` gets the tokens.
+        """Enqueue the step's GPU work (forward, logits, sampling) without waiting for it."""
+        return self.launch_sampling(self.launch_forward(sched))
 
-        Between the two the engine does CPU work (detokenizing the previous step) that then
-        overlaps the GPU's forward pass.
+    @torch.inference_mode()
+    def launch_forward(self, sched: SchedulerOutput) -> LaunchedForward | None:
+        """Enqueue the forward pass only; `launch_sampling()` then enqueues logits and sampling.
+
+        The engine runs its CPU work (the previous step's outputs) between the two: that work
+        then overlaps the forward even if enqueueing the LM head has to wait for the GPU.
         """
         if sched.is_empty:
             return None
@@ -162,6 +177,14 @@ class ModelRunner:
             hidden = self.graphs.replay(key)  # [B * q, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        return LaunchedForward(start, rows, groups, hidden, inputs.attn_metadata.logits_indices)
+
+    @torch.inference_mode()
+    def launch_sampling(self, fwd: LaunchedForward | None) -> PendingStep | None:
+        """Enqueue logits and sampling for a launched forward; `collect()` gets the tokens."""
+        if fwd is None:
+            return None
+        start, rows, groups = fwd.start, fwd.rows, fwd.groups
         if not rows:
             return PendingStep(start, rows, groups, None, None, None)
         # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
@@ -170,9 +193,7 @@ class ModelRunner:
         speculative = self.spec_decoder is not None and any(g.draft_token_ids for g in groups)
         # A plain greedy batch samples the argmax of the GEMM's own output: no fp32 copy of [N, V].
         upcast = speculative or not is_plain_greedy(meta)
-        logits = self.model.compute_logits(
-            hidden[inputs.attn_metadata.logits_indices], upcast=upcast
-        )  # [N, V]
+        logits = self.model.compute_logits(fwd.hidden[fwd.logits_indices], upcast=upcast)  # [N, V]
         if speculative:
             return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect
         sampled = self.sampler(logits, meta)
