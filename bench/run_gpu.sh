@@ -84,13 +84,14 @@ step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR"
 step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads ngram,pair \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
-# Llama-3-8B shape, 128k vocab, no network), plus the same server with --engine-process (modes
-# grpc/ep, http/ep); three engines at 0.28 of the GPU each; ~2-3 min (capped at 7). More variants:
+# Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
+# process on a GPU) and with --no-engine-process (modes grpc/inproc, http/inproc); three engines
+# at 0.28 of the GPU each; ~2-3 min (capped at 7). More variants:
 # SERVING_BENCH_ARGS="--variant gil0.5=--gil-switch-interval-ms=0.5" (one more engine, ~+40 s)
 # shellcheck disable=SC2086  # SERVING_BENCH_ARGS splits into words
 step bench_serving timeout 420 "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
   --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 \
-  --variant "ep=--engine-process" --out "$OUTDIR" ${SERVING_BENCH_ARGS:-}
+  --variant "inproc=--no-engine-process" --out "$OUTDIR" ${SERVING_BENCH_ARGS:-}
 
 # 4. summary
 for f in "$OUTDIR"/*_summary.txt; do

@@ -61,8 +61,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     srv.add_argument("--enable-vllm-metrics", action=argparse.BooleanOptionalAction, default=True)
     srv.add_argument(
         "--engine-process",
-        action="store_true",
-        help="run the engine core (model, scheduler, detokenizer) in a process of its own",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine core (model, scheduler, detokenizer) in a process of its own "
+        "(default: on when serving on a GPU, off on the CPU)",
     )
     srv.add_argument(
         "--gil-switch-interval-ms",
@@ -140,10 +142,23 @@ def apply_process_settings(args: argparse.Namespace) -> None:
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
 
 
+def wants_engine_process(args: argparse.Namespace) -> bool:
+    """--engine-process/--no-engine-process, else on for GPU serving: with GPU-short steps the
+    server's per-token work on the engine's GIL cost 13-27% of the tokens/s at 16-64 streams
+    on the H200 (bench/NOTES.md, Serving); on the CPU the step is long and the spawn is not."""
+    if args.engine_process is not None:
+        return bool(args.engine_process)
+    if args.device == "cpu":
+        return False
+    import torch
+
+    return args.device.startswith("cuda") or torch.cuda.is_available()
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
     from pagedinfer.engine.server.engine_handle import default_loader, engine_process_loader
     from pagedinfer.engine.server.serve import run_server  # heavy imports only when serving
 
     apply_process_settings(args)
-    loader = engine_process_loader if args.engine_process else default_loader
+    loader = engine_process_loader if wants_engine_process(args) else default_loader
     return run_server(engine_config_from_args(args), server_config_from_args(args), loader)
