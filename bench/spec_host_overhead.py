@@ -1,0 +1,213 @@
+"""Host (Python) cost of one speculative (n-gram) decode step vs one plain decode step.
+
+The sibling of bench/host_overhead.py for issue 6: the real EngineCore (scheduler, KV manager,
+runner, verifier, n-gram proposer) drives a stub model of negligible cost whose greedy output is
+mostly periodic (the next token is the input id + 1 mod 13, jumping at pseudo-random positions), so
+prompt lookup finds drafts and some of them are rejected. Each step's thread CPU time is split
+into schedule / launch (sampling plan, input staging, metadata, minus the stub) / collect
+(verification) / update / after_step (acceptance bookkeeping + the proposer), median over steps.
+The same batch runs once without speculation ("plain") and once with it ("spec").
+
+    OMP_NUM_THREADS=1 python bench/spec_host_overhead.py --out bench/results --name NAME [--baseline FILE]
+
+Prints host ms per step and per emitted token at each batch, and the ratio to a baseline JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedinfer.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagedinfer.engine.engine_builder import assemble_engine
+from pagedinfer.engine.sampling_params import SamplingParams
+
+VOCAB = 512
+PERIOD = 13  # generated tokens cycle through 0..12
+JUMP_MASK = 7  # ... except at pseudo-random positions (1 in 8), where the next token jumps by 5
+
+
+class PeriodicStub(torch.nn.Module):
+    """Greedy-deterministic fake LM with repetitive output (n-gram drafts mostly accepted)."""
+
+    def __init__(self, config: ModelConfig, clock) -> None:
+        super().__init__()
+        self.config = config
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.clock = clock
+        self.seconds = 0.0
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+        t0 = self.clock()
+        jump = ((positions * 40503 >> 7) & JUMP_MASK == 0).long() * 4  # [T]
+        hidden = ((input_ids + 1 + jump) % PERIOD).float()[:, None]  # [T, 1] next token id
+        self.seconds += self.clock() - t0
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        t0 = self.clock()
+        logits = torch.zeros(hidden.shape[0], self.config.vocab_size)  # [N, V]
+        logits.scatter_(1, hidden.long(), 1.0)
+        self.seconds += self.clock() - t0
+        return logits
+
+
+def build(batch: int, k: int, clock):
+    mc = ModelConfig(
+        architecture="llama",
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+    )
+    spec = SpeculativeConfig(
+        method="ngram" if k else None, num_speculative_tokens=max(k, 1), max_batch_size=max(batch, 1)
+    )
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=batch * 60 + 64),
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=4096),
+        device=DeviceConfig(device="cpu", dtype="float32"),
+        speculative=spec,
+    )
+    model = PeriodicStub(mc, clock)
+    return assemble_engine(cfg, model).core, model
+
+
+class _Timer:
+    """Wraps bound methods on an instance to timestamp their entry and exit."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.marks: dict[str, float] = {}
+
+    def wrap(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            self.marks[name + ".start"] = self.clock()
+            out = fn(*args, **kwargs)
+            self.marks[name + ".end"] = self.clock()
+            return out
+
+        setattr(obj, name, timed)
+
+    def span(self, name: str) -> float:
+        return self.marks.get(name + ".end", 0.0) - self.marks.get(name + ".start", 0.0)
+
+
+def measure(batch: int, k: int, num_steps: int, prompt_len: int = 64, seed: int = 0) -> dict:
+    clock = time.thread_time
+    core, model = build(batch, k, clock)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist()
+        core.add_request(f"r{i}", prompt, params)
+    for _ in range(8):  # prompts, then a few steps for the proposer to find its cycle
+        core.step()
+    timer = _Timer(clock)
+    for name in ("launch_forward", "launch_sampling", "collect"):
+        timer.wrap(core.runner, name)
+    for name in ("schedule", "update"):
+        timer.wrap(core.scheduler, name)
+    if core.spec_decoder is not None:
+        timer.wrap(core.spec_decoder, "after_step")
+    rows = []
+    num_emitted = 0
+    for _ in range(num_steps):
+        before = sum(r.num_output_tokens for r in core.scheduler.running)
+        model.seconds = 0.0
+        timer.marks.clear()
+        t0 = clock()
+        core.step()
+        total = clock() - t0
+        num_emitted += sum(r.num_output_tokens for r in core.scheduler.running) - before
+        launch = timer.span("launch_forward") + timer.span("launch_sampling") - model.seconds
+        rows.append(
+            {
+                "step": total - model.seconds,
+                "schedule": timer.span("schedule"),
+                "launch": launch,
+                "collect": timer.span("collect"),
+                "update": timer.span("update"),
+                "after_step": timer.span("after_step"),
+            }
+        )
+    assert len(core.scheduler.running) == batch, "the batch must stay whole while measuring"
+    out = {key: statistics.median(r[key] for r in rows) * 1e3 for key in rows[0]}
+    out["tokens_per_seq_step"] = num_emitted / num_steps / batch
+    out["ms_per_token"] = out["step"] / (out["tokens_per_seq_step"] * batch)
+    if core.spec_decoder is not None:
+        out["acceptance_rate"] = core.spec_decoder.stats.acceptance_rate
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--k", type=int, default=4, help="drafts per step (n-gram)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3, help="best median of this many runs")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default="spec_host_overhead_cpu")
+    parser.add_argument("--baseline", type=Path, default=None, help="a previous JSON to compare with")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    gc.collect()
+    results: dict[str, dict] = {}
+    for batch in args.batches:
+        entry = {}
+        for mode, k in (("plain", 0), ("spec", args.k)):
+            runs = [measure(batch, k, args.steps) for _ in range(args.repeats)]
+            entry[mode] = min(runs, key=lambda r: r["step"])
+            line = ", ".join(f"{key} {v:.3f}" for key, v in entry[mode].items())
+            print(f"batch {batch:3d} {mode:5s}: {line}")
+        entry["spec_over_plain_step"] = entry["spec"]["step"] / entry["plain"]["step"]
+        print(f"batch {batch:3d}: spec step / plain step host time {entry['spec_over_plain_step']:.2f}x")
+        results[str(batch)] = entry
+    baseline = json.loads(args.baseline.read_text())["results"] if args.baseline else None
+    if baseline:
+        for batch, r in results.items():
+            if batch in baseline:
+                before, after = baseline[batch]["spec"]["step"], r["spec"]["step"]
+                print(
+                    f"batch {batch:>3}: spec step host ms {before:.3f} -> {after:.3f} ({before / after:.2f}x less)"
+                )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "unit": "thread CPU ms per engine step (median; stub model excluded)",
+            "k": args.k,
+            "method": "ngram",
+            "torch_threads": 1,
+            "results": results,
+        }
+        if baseline:
+            doc["baseline"] = baseline
+        (args.out / f"{args.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
