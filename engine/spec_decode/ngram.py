@@ -3,7 +3,9 @@ sequence's last n tokens, n from ngram_max down to ngram_min. No model, no devic
 
 Matching is vectorized with numpy over the candidate positions: candidates are the earlier
 occurrences of the last token, extended backwards one token at a time (at most ngram_max
-rounds), so one sequence costs O(num_tokens + num_candidates * ngram_max).
+rounds), so one sequence costs O(num_tokens + num_candidates * ngram_max). The proposer runs
+that over all its sequences at once (`find_ngram_drafts`) on int32 token arrays it keeps per
+sequence and extends by the new outputs only, so a step costs a fixed number of numpy calls.
 """
 
 from __future__ import annotations
@@ -46,8 +48,104 @@ def find_ngram_draft(tokens: np.ndarray, ngram_min: int, ngram_max: int, max_dra
     return np.resize(tokens[end + 1 :], max_draft)
 
 
+def find_ngram_drafts(
+    flat: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    ngram_min: int,
+    ngram_max: int,
+    max_drafts: np.ndarray,
+) -> list[list[int]]:
+    """`find_ngram_draft` for B sequences at once, concatenated in `flat`.
+
+    flat [T] int: all sequences back to back; sequence b is flat[starts[b] : starts[b] + lengths[b]].
+    max_drafts [B] int. Same result per sequence as `find_ngram_draft`, in a fixed number of
+    numpy calls: candidates (earlier occurrences of each sequence's last token) of all sequences
+    are matched backwards together, then each sequence keeps its longest, then latest, match.
+    """
+    num_seqs = int(lengths.shape[0])
+    if flat.shape[0] == 0:
+        return [[] for _ in range(num_seqs)]
+    ends = starts + lengths  # [B] one past each sequence's last token
+    ok = (lengths >= ngram_min + 1) & (max_drafts > 0)  # [B]
+    seq_of = np.repeat(np.arange(num_seqs), lengths)  # [T] owning sequence of each token
+    last = flat[ends - 1]  # [B] (lengths >= 1 where ok; masked below otherwise)
+    pos = np.arange(flat.shape[0])  # [T]
+    is_cand = (flat == last[seq_of]) & (pos < ends[seq_of] - 1) & ok[seq_of]
+    cand = np.flatnonzero(is_cand)  # [C] candidate ends (flat positions)
+    cand_seq = seq_of[cand]  # [C]
+    match_len = np.ones(cand.shape, dtype=np.int64)  # [C]
+    alive = np.ones(cand.shape, dtype=bool)  # [C]
+    # Offsets 1 .. min(ngram_max, L - 1) - 1 per sequence, as in the one-sequence loop.
+    max_offset = np.minimum(ngram_max, lengths - 1)[cand_seq]  # [C]
+    for offset in range(1, ngram_max):
+        src = cand - offset  # [C]
+        alive &= (offset < max_offset) & (src >= starts[cand_seq])
+        idx = np.flatnonzero(alive)
+        alive[idx] = flat[src[idx]] == flat[ends[cand_seq[idx]] - 1 - offset]
+        if not alive.any():
+            break
+        match_len += alive
+    # Longest, then latest: one key per candidate, max per sequence.
+    scale = flat.shape[0] + 1
+    best = np.full(num_seqs, -1, dtype=np.int64)  # [B]
+    np.maximum.at(best, cand_seq, match_len * scale + cand)
+    has = (best >= 0) & (best // scale >= ngram_min)  # [B]
+    end = best % scale  # [B] flat position of the chosen match's end
+    out: list[list[int]] = [[] for _ in range(num_seqs)]
+    rows = np.flatnonzero(has)
+    if rows.size == 0:
+        return out
+    width = int(max_drafts[rows].max())
+    period = ends[rows] - 1 - end[rows]  # [R] >= 1: what follows the match, repeated
+    steps = np.arange(width)  # [W]
+    drafts = flat[end[rows, None] + 1 + steps[None, :] % period[:, None]]  # [R, W]
+    for r, k, row in zip(rows.tolist(), max_drafts[rows].tolist(), drafts.tolist(), strict=True):
+        out[r] = row[:k]
+    return out
+
+
+class _TokenCache:
+    """Each sequence's tokens as an int32 array, grown by its new outputs only (outputs are
+    append-only; a sequence whose prompt object changed, or whose cached tail disagrees, is
+    rebuilt)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, tuple[list[int], np.ndarray, int]] = {}  # seq_id -> (prompt, buf, n)
+
+    def tokens(self, request: DraftRequest) -> np.ndarray:
+        row = request.row
+        prompt, out = row.prompt_token_ids, row.output_token_ids
+        num_tokens = len(prompt) + len(out)
+        entry = self._arrays.get(row.seq_id)
+        if entry is not None:
+            cached_prompt, buf, n = entry
+            num_prompt = len(prompt)
+            if (
+                cached_prompt is not prompt
+                or n > num_tokens
+                or (n > num_prompt and buf[n - 1] != out[n - 1 - num_prompt])
+            ):
+                entry = None
+        if entry is None:
+            buf = np.empty(max(2 * num_tokens, 64), dtype=np.int32)
+            buf[: len(prompt)] = prompt
+            n = len(prompt)
+        if num_tokens > buf.shape[0]:
+            grown = np.empty(2 * num_tokens, dtype=np.int32)
+            grown[:n] = buf[:n]
+            buf = grown
+        if n < num_tokens:
+            buf[n:num_tokens] = out[n - len(prompt) :]
+        self._arrays[row.seq_id] = (prompt, buf, num_tokens)
+        return buf[:num_tokens]
+
+    def free(self, seq_id: int) -> None:
+        self._arrays.pop(seq_id, None)
+
+
 class NgramProposer:
-    """Proposer over the sequence's own tokens (prompt lookup decoding)."""
+    """Proposer over the sequence's own tokens (prompt lookup decoding), batched over sequences."""
 
     def __init__(self, ngram_min: int, ngram_max: int, num_speculative_tokens: int) -> None:
         if not 1 <= ngram_min <= ngram_max:
@@ -57,14 +155,20 @@ class NgramProposer:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.num_speculative_tokens = num_speculative_tokens
+        self._cache = _TokenCache()
 
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
-        drafts = []
-        for request in requests:
-            tokens = np.asarray(request.token_ids(), dtype=np.int64)  # [L]
-            k = min(request.max_draft_tokens, self.num_speculative_tokens)
-            drafts.append(find_ngram_draft(tokens, self.ngram_min, self.ngram_max, k).tolist())
+        if not requests:
+            return DraftProposals(token_ids=[], probs=None)
+        arrays = [self._cache.tokens(r) for r in requests]
+        lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, len(arrays))  # [B]
+        starts = np.cumsum(lengths) - lengths  # [B]
+        k = self.num_speculative_tokens
+        max_drafts = np.fromiter((min(r.max_draft_tokens, k) for r in requests), np.int64, len(requests))
+        flat = np.concatenate(arrays)  # [T] int32
+        drafts = find_ngram_drafts(flat, starts, lengths, self.ngram_min, self.ngram_max, max_drafts)
         return DraftProposals(token_ids=drafts, probs=None)
 
     def free(self, seq_id: int) -> None:
-        """Stateless: nothing to forget."""
+        """Forget the sequence's cached tokens."""
+        self._cache.free(seq_id)
