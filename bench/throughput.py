@@ -256,9 +256,14 @@ def step_vs_floor(run: EngineRun, weight_bytes: int, kv_tok: int, bw: float, bat
     ms = statistics.median(s["ms"] for s in steps)
     ctx = statistics.median(s["kv_tokens"] for s in steps)
     floor = decode_floor_ms(weight_bytes, int(ctx) * kv_tok, bw)
+    phases = [s["phases_ms"] for s in steps if "phases_ms" in s]
+    median_phases = (
+        {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]} if phases else {}
+    )
     return {
         "batch": batch,
         "median_step_ms": ms,
+        "median_phases_ms": median_phases,
         "median_kv_tokens": ctx,
         "floor_ms": floor,
         "ratio_to_floor": ms / floor,

@@ -68,7 +68,11 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
             for d in out.deltas:
                 tokens[out.request_id].extend(d.token_ids)
         ms = (time.perf_counter() - t0) * 1e3
-        steps.append({"ms": ms, "batch": batch, "kv_tokens": kv_tokens, "pure_decode": pure})
+        phases = getattr(core, "last_step_phases", None)
+        step = {"ms": ms, "batch": batch, "kv_tokens": kv_tokens, "pure_decode": pure}
+        if phases is not None:  # host ms per phase of this step (EngineCore.StepPhases)
+            step["phases_ms"] = {k: getattr(phases, k) * 1e3 for k in phases.__slots__}
+        steps.append(step)
     seconds = time.perf_counter() - start
     return EngineRun(
         seconds=seconds,

@@ -33,6 +33,19 @@ logger = logging.getLogger(__name__)
 StepListener = Callable[[StepStats], None]
 
 
+@dataclass(slots=True)
+class StepPhases:
+    """Host wall time of the last step's phases, seconds (benchmarks read it to attribute the
+    time the GPU waits for: everything but `outputs` and `collect` runs while it idles)."""
+
+    schedule: float = 0.0
+    launch_forward: float = 0.0  # input staging + graph replay / eager forward enqueue
+    outputs: float = 0.0  # the previous step's outputs (overlaps the forward)
+    launch_sampling: float = 0.0  # LM head + sampler enqueue
+    collect: float = 0.0  # waiting for the samples (GPU time left) + their host copy
+    update: float = 0.0  # scheduler update + speculative after_step
+
+
 @dataclass
 class _Pending:
     """A finished step whose outputs and stats are produced during the next step's forward."""
@@ -82,6 +95,7 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer, scheduler)
         self._listeners: list[StepListener] = []
         self._pending: _Pending | None = None  # the last step, awaiting outputs and accounting
+        self.last_step_phases = StepPhases()
         self._rng = random.Random(seed)
         self._next_seq_id = 0
         self._step = 0
@@ -172,14 +186,29 @@ class EngineCore:
         the engine goes idle); a stop string found then finishes its sequence before its next
         token is applied. Nothing that decides the next batch waits for them.
         """
-        start = time.perf_counter()
+        clock = time.perf_counter
+        start = clock()
         sched = self.scheduler.schedule()
+        t_sched = clock()
         forward = self.runner.launch_forward(sched)
+        t_forward = clock()
         outputs = self._flush_pending()  # CPU work that overlaps the GPU's forward pass
-        result = self.runner.collect(self.runner.launch_sampling(forward))
+        t_outputs = clock()
+        pending = self.runner.launch_sampling(forward)
+        t_sampling = clock()
+        result = self.runner.collect(pending)
+        t_collect = clock()
         updates = self.scheduler.update(sched, result)
         if self.spec_decoder is not None:  # learn acceptance, draft the next step's tokens
             self.spec_decoder.after_step(sched, result, self.scheduler.running)
+        self.last_step_phases = StepPhases(
+            t_sched - start,
+            t_forward - t_sched,
+            t_outputs - t_forward,
+            t_sampling - t_outputs,
+            t_collect - t_sampling,
+            clock() - t_collect,
+        )
         self._step += 1
         self._pending = _Pending(sched, result, updates, self.scheduler.take_finished(), self._snapshot())
         self._pending.snapshot.step_time_s = time.perf_counter() - start
