@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedinfer.engine.sample.rng import hash_uniform
@@ -199,6 +200,22 @@ class RejectionSampler:
         sampled = sample_from_probs(dist, inputs.seeds, positions)  # [B]
         greedy_ids = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
         return torch.where(inputs.is_greedy.to(device), greedy_ids, sampled)
+
+
+def greedy_num_accepted(
+    target_argmax: np.ndarray,  # [B, K + 1] int
+    draft_token_ids: np.ndarray,  # [B, K] int, padding past num_draft_tokens ignored
+    num_draft_tokens: np.ndarray,  # [B] int in [0, K]
+) -> np.ndarray:
+    """Host (numpy) form of `RejectionSampler._greedy`: leading drafts equal to the argmax [B].
+
+    Row b then emits target_argmax[b, : result[b] + 1].
+    """
+    num_drafts = draft_token_ids.shape[1]
+    is_accepted = (draft_token_ids == target_argmax[:, :num_drafts]) & (
+        np.arange(num_drafts)[None, :] < num_draft_tokens[:, None]
+    )  # [B, K]
+    return np.cumprod(is_accepted, axis=1).sum(axis=1)  # [B]
 
 
 def sample_from_probs(

@@ -8,18 +8,28 @@ drafts[:i]: exactly what the non-speculative sampler would see at that position.
 output is token-for-token the non-speculative output and sampled output has exactly its
 distribution; groups without drafts reduce to one ordinary draw with the same seeded noise as
 `Sampler.draw`.
+
+An all-greedy step takes a host path: one argmax over the rows on the device, one copy of [N]
+ids to the host, and the acceptance decided in numpy (`greedy_num_accepted`), with the same
+result as the rejection sampler's greedy path and no per-group tensors to stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 
+import numpy as np
 import torch
 
 from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens, TokenLogprobs
 from pagedinfer.engine.sample.metadata import SamplingMetadata
-from pagedinfer.engine.sample.rejection_sampler import RejectionInputs, RejectionSampler
-from pagedinfer.engine.sample.sampler import Sampler
+from pagedinfer.engine.sample.rejection_sampler import (
+    RejectionInputs,
+    RejectionSampler,
+    greedy_num_accepted,
+)
+from pagedinfer.engine.sample.sampler import Sampler, is_plain_greedy
 from pagedinfer.engine.worker.model_runner import VerifyGroup
 
 
@@ -37,40 +47,80 @@ class SpecVerifier:
         groups: Sequence[VerifyGroup],
         draft_probs: Mapping[int, torch.Tensor] | None = None,  # seq_id -> [>= k, V] q; else point mass
     ) -> ModelRunnerOutput:
-        processed = self.sampler.process(logits, meta)  # [N, V]
-        inputs = _rejection_inputs(processed, meta, groups, draft_probs or {})
-        token_lists = self.rejection_sampler(inputs).to_lists()  # the step's one device sync
+        arrays = _GroupArrays.of(groups)
+        if meta.all_greedy:  # draft probabilities play no part in greedy acceptance
+            token_lists = self._greedy_tokens(logits, meta, arrays)
+        else:
+            processed = self.sampler.process(logits, meta)  # [N, V]
+            inputs = _rejection_inputs(processed, meta, arrays, groups, draft_probs or {})
+            token_lists = self.rejection_sampler(inputs).to_lists()  # the step's one device sync
         logprobs = _logprobs(logits, meta, groups, token_lists)
         sampled = [
             SampledTokens(g.seq_id, tokens, lp)
             for g, tokens, lp in zip(groups, token_lists, logprobs, strict=True)
         ]
-        num_drafts = sum(len(g.draft_token_ids) for g in groups)
-        num_accepted = sum(len(t) - 1 for t in token_lists)
-        num_verified = sum(1 for g in groups if g.draft_token_ids)
+        num_drafts = int(arrays.num_drafts.sum())
+        num_accepted = sum(len(t) for t in token_lists) - len(token_lists)
+        num_verified = int(np.count_nonzero(arrays.num_drafts))
         return ModelRunnerOutput(sampled, num_drafts, num_accepted, num_verified_seqs=num_verified)
+
+    def _greedy_tokens(
+        self, logits: torch.Tensor, meta: SamplingMetadata, arrays: _GroupArrays
+    ) -> list[list[int]]:
+        """Emitted tokens per group of an all-greedy step: argmaxes up to the first mismatch."""
+        # Penalties or bans edit the logits first; otherwise the raw argmax is the token.
+        processed = logits if is_plain_greedy(meta) else self.sampler.process(logits, meta)  # [N, V]
+        argmax = processed.argmax(dim=-1).cpu().numpy()  # [N] the step's one device sync
+        target = argmax[arrays.index]  # [B, K + 1]
+        num_tokens = greedy_num_accepted(target, arrays.draft_token_ids, arrays.num_drafts) + 1  # [B]
+        return [row[:n] for row, n in zip(target.tolist(), num_tokens.tolist(), strict=True)]
+
+
+class _GroupArrays:
+    """The groups as host arrays: first rows [B], draft counts [B], drafts [B, K] (0-padded) and
+    the padded row index [B, K + 1] (position i of group b -> row first_b + min(i, k_b))."""
+
+    __slots__ = ("first_rows", "num_drafts", "draft_token_ids", "index")
+
+    def __init__(self, first_rows: np.ndarray, num_drafts: np.ndarray, draft_token_ids: np.ndarray) -> None:
+        self.first_rows = first_rows
+        self.num_drafts = num_drafts
+        self.draft_token_ids = draft_token_ids
+        steps = np.arange(draft_token_ids.shape[1] + 1)  # [K + 1]
+        self.index = first_rows[:, None] + np.minimum(steps[None, :], num_drafts[:, None])
+
+    @classmethod
+    def of(cls, groups: Sequence[VerifyGroup]) -> _GroupArrays:
+        num_groups = len(groups)
+        first_rows = np.fromiter((g.first_row for g in groups), np.int64, num_groups)  # [B]
+        ks = np.fromiter((len(g.draft_token_ids) for g in groups), np.int64, num_groups)  # [B]
+        max_k = int(ks.max()) if num_groups else 0
+        if max_k and bool((ks == max_k).all()):  # uniform K: the lists stack as they are
+            drafts = np.array([g.draft_token_ids for g in groups], dtype=np.int64)  # [B, K]
+        else:
+            drafts = np.zeros((num_groups, max_k), dtype=np.int64)  # [B, K]
+            flat = np.fromiter(
+                chain.from_iterable(g.draft_token_ids for g in groups), np.int64, int(ks.sum())
+            )
+            drafts[np.arange(max_k)[None, :] < ks[:, None]] = flat  # row-major: group by group
+        return cls(first_rows, ks, drafts)
 
 
 def _rejection_inputs(
     processed: torch.Tensor,  # [N, V]
     meta: SamplingMetadata,
+    arrays: _GroupArrays,
     groups: Sequence[VerifyGroup],
     draft_probs: Mapping[int, torch.Tensor],
 ) -> RejectionInputs:
     device, vocab = processed.device, processed.shape[1]
     num_groups = len(groups)
-    ks = [len(g.draft_token_ids) for g in groups]
-    max_k = max(ks, default=0)
-    first_rows = torch.tensor([g.first_row for g in groups], dtype=torch.int64).to(device)  # [B]
-    num_drafts = torch.tensor(ks, dtype=torch.int64).to(device)  # [B]
-    # Padded view [B, K + 1] of the flat rows: position i of group b -> row first_b + min(i, k_b).
-    steps = torch.arange(max_k + 1, device=device)  # [K + 1]
-    index = first_rows.unsqueeze(1) + torch.minimum(steps.unsqueeze(0), num_drafts.unsqueeze(1))
-    drafts_host = torch.zeros((num_groups, max_k), dtype=torch.int64)
-    for b, g in enumerate(groups):
-        if g.draft_token_ids:
-            drafts_host[b, : ks[b]] = torch.tensor(g.draft_token_ids, dtype=torch.int64)
-    drafts = drafts_host.to(device)  # [B, K]
+    ks = arrays.num_drafts.tolist()
+    max_k = arrays.draft_token_ids.shape[1]
+    first_rows = torch.from_numpy(arrays.first_rows).to(device)  # [B]
+    num_drafts = torch.from_numpy(arrays.num_drafts).to(device)  # [B]
+    index = torch.from_numpy(arrays.index).to(device)  # [B, K + 1]
+    drafts = torch.from_numpy(arrays.draft_token_ids).to(device)  # [B, K]
     probs = None
     if any(g.seq_id in draft_probs for g in groups if g.draft_token_ids):
         probs = torch.zeros((num_groups, max_k, vocab), dtype=torch.float32, device=device)  # [B, K, V]
