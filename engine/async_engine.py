@@ -218,10 +218,14 @@ class AsyncEngine:
         except Exception as exc:  # fail the in-flight requests, keep serving new ones
             logger.exception("engine step failed; aborting in-flight requests")
             dead = EngineDeadError(f"engine step failed: {exc}")
-            for request_id in self._streams:
+            # Take the streams in one swap under the lock: generate() registers new streams from
+            # the event loop meanwhile (once _post wakes a failed client, its retry can land here
+            # at once), and a stream cleared without its error would wait forever.
+            with self._cv:
+                streams, self._streams = self._streams, {}
+            for request_id in streams:
                 core.abort(request_id)
-            _post([(stream, dead) for stream in self._streams.values()])
-            self._streams.clear()
+            _post([(stream, dead) for stream in streams.values()])
             return
         self._deliver(outputs)
 

@@ -206,7 +206,10 @@ class RemoteCore:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Asks the core; the aborted request's final output comes with a later step."""
         if request_id in self._in_flight:
-            self._send(("abort", request_id))
+            # A dead core is reported by the next step() (has_unfinished stays true until then);
+            # raising here would end the engine thread with every stream still waiting.
+            with contextlib.suppress(EngineDeadError):
+                self._send(("abort", request_id))
         return []
 
     def has_unfinished(self) -> bool:

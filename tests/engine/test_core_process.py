@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,3 +77,59 @@ async def test_dead_core_fails_requests_with_engine_dead(tiny_llama_dir):
     with pytest.raises(EngineDeadError):  # later requests too, instead of hanging
         await collect(engine, [5, 6], params)
     await engine.shutdown(0.5)
+
+
+class _DyingCore:
+    """A core whose step fails (its process died); `abort`, which the engine calls while failing
+    the in-flight streams, holds the engine thread there until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.scheduler = SimpleNamespace(num_waiting=0)
+        self.in_flight: set[str] = set()
+        self.failing = threading.Event()
+        self.resume = threading.Event()
+
+    def validate(self, prompt_token_ids, params) -> None:
+        pass
+
+    def add_request(self, request_id, *args) -> None:
+        if self.failing.is_set():
+            raise EngineDeadError("the engine core process is gone")
+        self.in_flight.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.in_flight)
+
+    def step(self):
+        self.in_flight.clear()
+        raise EngineDeadError("the engine core process exited (-9)")
+
+    def abort(self, request_id):
+        self.failing.set()
+        self.resume.wait(10)
+        return []
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def add_step_listener(self, callback) -> None:
+        pass
+
+
+async def test_request_arriving_while_in_flight_ones_fail_gets_engine_dead():
+    """A client retrying at once (woken by its stream's error) registers a stream while the
+    engine thread is still failing the others: it must get EngineDeadError too, not wait forever."""
+    core = _DyingCore()
+    built = SimpleNamespace(core=core, model_config=None, tokenizer=None, max_model_len=128)
+    engine = AsyncEngine.from_config(config("unused"), lambda cfg, on_phase: built)
+    await engine.wait_ready()
+    params = SamplingParams(max_tokens=5)
+    first = asyncio.create_task(collect(engine, [1, 2], params, request_id="first"))
+    assert await asyncio.to_thread(core.failing.wait, 10)
+    retry = asyncio.create_task(collect(engine, [1, 2], params, request_id="retry"))
+    await until(lambda: "retry" in engine._streams)
+    core.resume.set()
+    for task in (first, retry):
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(engine.shutdown(0.5), 10)
