@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from pagedinfer.kernels import checks, fused_reference
+from pagedinfer.kernels import checks, fused_reference, ops
 from pagedinfer.kernels.ops import select_backend
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels take
@@ -126,7 +126,12 @@ def rotary_cache_write(
     """
     _check_rotary(qkv, cos, sin, key_cache, value_cache, slot_mapping)
     if not _use_triton(qkv, backend) or qkv.shape[0] == 0 or key_cache.dtype not in KERNEL_DTYPES:
-        return fused_reference.rotary_cache_write(qkv, cos, sin, key_cache, value_cache, slot_mapping)
+        # With the fused kernels switched off on a GPU, the cache write stays the Triton kernel
+        # it was before fusion (ops.write_kv_cache picks it), not the reference scatter.
+        def write(k, v, kc, vc, slots):
+            ops.write_kv_cache(k, v, kc, vc, slots, backend=backend)
+
+        return fused_reference.rotary_cache_write(qkv, cos, sin, key_cache, value_cache, slot_mapping, write)
     from pagedinfer.kernels import rotary_cache as kernel
 
     return kernel.rotary_cache_write(qkv, cos, sin, key_cache, value_cache, slot_mapping)

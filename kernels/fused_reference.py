@@ -51,10 +51,13 @@ def rotary_cache_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    write_kv_cache=None,
 ) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] -> rotated q [T, H, D]; rotated k and v go into the caches' slots.
 
     Caches [num_blocks, block_size, KVH, D]; cos/sin [T, D/2] fp32; slot_mapping [T].
+    `write_kv_cache(k, v, key_cache, value_cache, slot_mapping)` does the cache write (default:
+    the reference scatter; the GPU fallback passes the Triton cache-write kernel).
     """
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -64,7 +67,7 @@ def rotary_cache_write(
     qk = apply_rotary(qk.view(num_tokens, num_heads + num_kv_heads, head_dim), cos, sin)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
     v = v.view(num_tokens, num_kv_heads, head_dim)  # [T, KVH, D]
-    reference.write_kv_cache(k, v, key_cache, value_cache, slot_mapping)
+    (write_kv_cache or reference.write_kv_cache)(k, v, key_cache, value_cache, slot_mapping)
     return q
 
 
