@@ -209,32 +209,45 @@ async def _load(port: int, streams: int, tokens: int) -> int:
     return sum(await asyncio.gather(*(_one_stream(port, tokens) for _ in range(streams))))
 
 
-def bench_serve(http: str, routes_from: str | None, streams: int, tokens: int, rounds: int) -> list[float]:
+def _start(http: str, routes_from: str | None) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, __file__, "--serve", str(port), "--http", http]
     proc = subprocess.Popen(argv + (["--routes-from", routes_from] if routes_from else []))
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError("server did not start") from None
+            time.sleep(0.2)
+
+
+def bench_serve(
+    configs: list[tuple[str, str | None]], streams: int, tokens: int, rounds: int
+) -> list[list[float]]:
+    """Server CPU us per chunk for each (http, routes) config; rounds interleave the configs so
+    that a noisy neighbour hits all of them alike."""
+    servers = []
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("server did not start") from None
-                time.sleep(0.2)
-        asyncio.run(_load(port, 2, 16))  # warm-up
-        per_chunk = []
+        for http, routes in configs:
+            servers.append(_start(http, routes))
+        for _, port in servers:
+            asyncio.run(_load(port, 2, 16))  # warm-up
+        per_chunk: list[list[float]] = [[] for _ in configs]
         for _ in range(rounds):
-            cpu0 = _cpu_seconds(proc.pid)
-            chunks = asyncio.run(_load(port, streams, tokens))
-            per_chunk.append((_cpu_seconds(proc.pid) - cpu0) / chunks * 1e6)
+            for i, (proc, port) in enumerate(servers):
+                cpu0 = _cpu_seconds(proc.pid)
+                chunks = asyncio.run(_load(port, streams, tokens))
+                per_chunk[i].append((_cpu_seconds(proc.pid) - cpu0) / chunks * 1e6)
         return per_chunk
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 def main() -> int:
@@ -256,13 +269,13 @@ def main() -> int:
         return 0
     result = {"render_us_per_chunk": bench_render(args.chunks, args.repeats), "serve": []}
     https = args.http.split(",") if args.http else ["h11"] + (["httptools"] if _has("httptools") else [])
-    for routes in [None, *args.routes_from]:
-        for http in https:
-            values = bench_serve(http, routes, args.streams, args.tokens, args.rounds)
-            label = f"{http} routes={routes or 'current'}"
-            med = statistics.median(values)
-            print(f"serve {label}: {med:.1f} us CPU/chunk (rounds {', '.join(f'{v:.1f}' for v in values)})")
-            result["serve"].append({"http": http, "routes": routes or "current", "us_per_chunk": values})
+    configs = [(http, routes) for routes in [None, *args.routes_from] for http in https]
+    results = bench_serve(configs, args.streams, args.tokens, args.rounds)
+    for (http, routes), values in zip(configs, results, strict=True):
+        label = f"{http} routes={routes or 'current'}"
+        med = statistics.median(values)
+        print(f"serve {label}: {med:.1f} us CPU/chunk (rounds {', '.join(f'{v:.1f}' for v in values)})")
+        result["serve"].append({"http": http, "routes": routes or "current", "us_per_chunk": values})
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
