@@ -62,6 +62,10 @@ class Verifier(Protocol):
     def verify(self, sampled: list[int], groups: Sequence[VerifyGroup]) -> list[list[int]]: ...
 
 
+def _has_penalty(p) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 class PrefixMatchVerifier:
     """Accept drafts while they equal the token sampled at their position; then one more."""
 
@@ -227,6 +231,8 @@ class ModelRunner:
         qsl = sched.layout.query_start_loc
         if not any(s.num_spec_tokens or s.fork_rows for s in sched.sequences):
             return self._decode_sampling_plan(sched)
+        if not any(s.fork_rows for s in sched.sequences):
+            return self._spec_sampling_plan(sched)
         logits_rows: list[int] = []
         rows: list[SamplingRow] = []
         groups: list[VerifyGroup] = []
@@ -251,6 +257,39 @@ class ModelRunner:
                 logits_rows.append(end - 1)
                 rows.append(fork)
         return np.asarray(logits_rows, dtype=np.int64), rows, groups
+
+    @staticmethod
+    def _spec_sampling_plan(
+        sched: SchedulerOutput,
+    ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
+        """`_sampling_plan` with drafts and no forks: logits rows in numpy, row objects built
+        positionally, and the penalty history (outputs + drafts) only when a row has penalties
+        (nothing else reads a row's output ids)."""
+        seqs = sched.sequences
+        sampling = [b for b, s in enumerate(seqs) if s.sample is not None]
+        ks = np.fromiter((seqs[b].num_spec_tokens for b in sampling), np.int64, len(sampling))  # [B]
+        ends = sched.layout.query_start_loc[1:].astype(np.int64)[sampling]  # [B] one past the last input
+        counts = ks + 1  # [B] rows per group
+        firsts = np.cumsum(counts) - counts  # [B] each group's first row
+        # Row j of group b is input ends_b - 1 - k_b + j, i.e. (ends_b - 1 - k_b - firsts_b) + its row.
+        logits_rows = np.repeat(ends - 1 - ks - firsts, counts) + np.arange(int(counts.sum()))  # [N]
+        history = any(_has_penalty(seqs[b].sample.sampling_params) for b in sampling)
+        rows: list[SamplingRow] = []
+        groups: list[VerifyGroup] = []
+        for b, first in zip(sampling, firsts.tolist(), strict=True):
+            s = seqs[b]
+            row, k = s.sample, s.num_spec_tokens
+            drafts = s.token_ids[len(s.token_ids) - k :] if k else []
+            groups.append(VerifyGroup(s.seq_id, first, drafts))
+            rows.append(row)
+            if not k:
+                continue
+            pos = row.output_position
+            # Row j sees the drafts before it as outputs (penalty history), like a plain decode would.
+            outs = [*row.output_token_ids[:pos], *drafts] if history else row.output_token_ids
+            params, seed, prompt = row.sampling_params, row.seed, row.prompt_token_ids
+            rows += [SamplingRow(row.seq_id, params, seed, pos + j, prompt, outs) for j in range(1, k + 1)]
+        return logits_rows, rows, groups
 
     @staticmethod
     def _decode_sampling_plan(
