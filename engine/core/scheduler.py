@@ -215,6 +215,21 @@ class Scheduler:
                     seq.seq_id, seq.sampling_params, seq.seed, len(out), seq.prompt_token_ids, out
                 )
                 planned.append(ScheduledSequence(seq.seq_id, ids, computed, num_prompt, 0, row, ()))
+            elif (
+                out
+                and seq.num_kv_tokens == computed
+                and computed + 1 == num_prompt + len(out)
+                and computed + 1 + len(seq.spec_token_ids) <= min(max_len, computed + budget)
+                and not seq.pending_children
+            ):
+                # A decode with drafts that all fit: inputs are the last token + the drafts.
+                num_spec = len(seq.spec_token_ids)
+                ids = [out[-1], *seq.spec_token_ids]
+                num_new = 1 + num_spec
+                row = SamplingRow(
+                    seq.seq_id, seq.sampling_params, seq.seed, len(out), seq.prompt_token_ids, out
+                )
+                planned.append(ScheduledSequence(seq.seq_id, ids, computed, num_prompt, num_spec, row, ()))
             else:
                 num_new = self._num_new_tokens(seq, budget)
                 if num_new == 0:
@@ -431,6 +446,9 @@ class Scheduler:
         if len(token_ids) == 1 and not may_stop(seq, token_ids[0], self.max_model_len):
             seq.output_token_ids.append(token_ids[0])  # the common case: one token, no stop
             new_ids = token_ids
+        elif not may_stop_tokens(seq, token_ids, self.max_model_len):
+            seq.output_token_ids.extend(token_ids)  # verified drafts + one, none of which stops
+            new_ids = token_ids
         else:
             new_ids = []
             for token_id in token_ids:
@@ -446,3 +464,15 @@ class Scheduler:
         return SequenceUpdate(
             seq.seq_id, seq.request_id, seq.index, new_ids, logprobs, seq.finish_reason is not None
         )
+
+
+def may_stop_tokens(seq: Request, token_ids: list[int], max_model_len: int) -> bool:
+    """`may_stop` for appending several tokens: False means none of them can stop the sequence
+    (each condition is checked at the largest output count, where it is likeliest)."""
+    num_output = len(seq.output_token_ids) + len(token_ids)
+    max_tokens = seq.sampling_params.max_tokens
+    return (
+        num_output >= max_model_len - len(seq.prompt_token_ids)
+        or (max_tokens is not None and num_output >= max_tokens)
+        or not seq.stop_token_set.isdisjoint(token_ids)
+    )

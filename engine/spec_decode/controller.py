@@ -63,19 +63,24 @@ class SpeculativeDecoder:
         self._forget_gone(running)
         if not self.policy.is_step_enabled(len(running)):
             return 0
-        candidates = [seq for seq in running if self._max_drafts(seq) > 0]
-        candidates = [seq for seq in candidates if self.policy.should_speculate(seq.seq_id)]
+        candidates: list[Request] = []
+        requests: list[DraftRequest] = []
+        for seq in running:  # one pass: the policy is asked only for sequences that may draft
+            max_drafts = self._max_drafts(seq)
+            if max_drafts > 0 and self.policy.should_speculate(seq.seq_id):
+                candidates.append(seq)
+                requests.append(DraftRequest(_row(seq), max_drafts, seq.eos_token_ids))
         if not candidates:
             return 0
-        requests = [DraftRequest(_row(seq), self._max_drafts(seq), seq.eos_token_ids) for seq in candidates]
         proposals = self.proposer.propose(requests)
         self._known.update(seq.seq_id for seq in candidates)
         num_drafts = 0
+        probs = proposals.probs
         for b, (seq, drafts) in enumerate(zip(candidates, proposals.token_ids, strict=True)):
             seq.spec_token_ids = list(drafts)
             num_drafts += len(drafts)
-            if proposals.probs is not None and drafts:
-                self._draft_probs[seq.seq_id] = proposals.probs[b, : len(drafts)]
+            if probs is not None and drafts:
+                self._draft_probs[seq.seq_id] = probs[b, : len(drafts)]
         return num_drafts
 
     def _max_drafts(self, seq: Request) -> int:
@@ -95,8 +100,9 @@ class SpeculativeDecoder:
         return max(min(limit, self.max_model_len - seq.num_tokens - 1), 0)
 
     def _forget_gone(self, running: Sequence[Request]) -> None:
-        live = {seq.seq_id for seq in running}
-        for seq_id in self._known - live:
+        if not self._known:
+            return
+        for seq_id in self._known.difference([seq.seq_id for seq in running]):
             self.free(seq_id)
 
     def free(self, seq_id: int) -> None:
