@@ -105,6 +105,11 @@ def find_ngram_drafts(
     return out
 
 
+# Up to this many sequences the one-sequence path is cheaper (~35 us a sequence against ~80 us
+# of fixed cost for the batched one, measured on the CPU machine).
+_MAX_ONE_BY_ONE = 2
+
+
 class _TokenCache:
     """Each sequence's tokens as an int32 array, grown by its new outputs only (outputs are
     append-only; a sequence whose prompt object changed, or whose cached tail disagrees, is
@@ -161,9 +166,17 @@ class NgramProposer:
         if not requests:
             return DraftProposals(token_ids=[], probs=None)
         arrays = [self._cache.tokens(r) for r in requests]
+        k = self.num_speculative_tokens
+        if len(requests) <= _MAX_ONE_BY_ONE:  # fewer numpy calls one sequence at a time
+            return DraftProposals(
+                token_ids=[
+                    find_ngram_draft(a, self.ngram_min, self.ngram_max, min(r.max_draft_tokens, k)).tolist()
+                    for a, r in zip(arrays, requests, strict=True)
+                ],
+                probs=None,
+            )
         lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, len(arrays))  # [B]
         starts = np.cumsum(lengths) - lengths  # [B]
-        k = self.num_speculative_tokens
         max_drafts = np.fromiter((min(r.max_draft_tokens, k) for r in requests), np.int64, len(requests))
         flat = np.concatenate(arrays)  # [T] int32
         drafts = find_ngram_drafts(flat, starts, lengths, self.ngram_min, self.ngram_max, max_drafts)

@@ -195,8 +195,9 @@ class ModelRunner:
         eos = [self.config.eos_token_ids] * len(rows)
         meta = self.sampling_metadata.build(rows, eos)
         speculative = self.spec_decoder is not None and any(g.draft_token_ids for g in groups)
-        # A plain greedy batch samples the argmax of the GEMM's own output: no fp32 copy of [N, V].
-        upcast = speculative or not is_plain_greedy(meta)
+        # A plain greedy batch samples (or verifies, see SpecVerifier) the argmax of the GEMM's own
+        # output: no fp32 copy of [N, V].
+        upcast = not is_plain_greedy(meta)
         logits = self.model.compute_logits(fwd.hidden[fwd.logits_indices], upcast=upcast)  # [N, V]
         if speculative:
             return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect

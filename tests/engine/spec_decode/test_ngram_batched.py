@@ -37,20 +37,21 @@ def _request(seq_id: int, prompt: list[int], out: list[int], k: int) -> DraftReq
     return DraftRequest(row, k)
 
 
-def test_proposer_cache_follows_growing_and_replaced_sequences():
+@pytest.mark.parametrize("num_seqs", [2, 4])  # the one-by-one and the batched path
+def test_proposer_cache_follows_growing_and_replaced_sequences(num_seqs):
     rng = np.random.default_rng(0)
     proposer = NgramProposer(1, 3, 4)
-    prompts = {i: rng.integers(0, 6, 20).tolist() for i in range(4)}
-    outs: dict[int, list[int]] = {i: [] for i in range(4)}
+    prompts = {i: rng.integers(0, 6, 20).tolist() for i in range(num_seqs)}
+    outs: dict[int, list[int]] = {i: [] for i in range(num_seqs)}
     for step in range(30):
         for i in outs:  # outputs grow by 1..5 tokens a step, as after verification
             outs[i].extend(rng.integers(0, 6, int(rng.integers(1, 6))).tolist())
         if step == 10:  # a different sequence under a reused id, and one with a rewritten tail
             prompts[1] = rng.integers(0, 6, 15).tolist()
             outs[1] = rng.integers(0, 6, 3).tolist()
-            outs[2][-1] = (outs[2][-1] + 1) % 6
+            outs[0][-1] = (outs[0][-1] + 1) % 6
         if step == 20:
-            proposer.free(3)
+            proposer.free(num_seqs - 1)
         requests = [_request(i, prompts[i], outs[i], 4) for i in outs]
         got = proposer.propose(requests).token_ids
         want = [
