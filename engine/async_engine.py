@@ -101,7 +101,11 @@ class AsyncEngine:
         self._inbox: list[_NewRequest] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
+        self._num_admitting = 0  # taken from the inbox, not yet added to the core
         self._listeners: list[Callable[[StepStats], None]] = []
+        self._death_listeners: list[Callable[[str], None]] = []
+        self._core_gone: str | None = None  # a core in another process died (its reader says)
+        self.dead_error: str | None = None  # set once the core is gone for good
         self._accepting = True
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="pagedinfer-engine", daemon=True)
@@ -123,6 +127,16 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         return self.startup_phase == "ready"
+
+    def add_death_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` once, on the engine thread, if the core dies (its process is gone):
+        every stream has then failed with EngineDeadError and new requests get it at once."""
+        with self._cv:
+            dead = self.dead_error
+            if dead is None:
+                self._death_listeners.append(callback)
+        if dead is not None:
+            callback(dead)
 
     async def wait_ready(self) -> None:
         while self.startup_phase not in ("ready", "failed"):
@@ -165,6 +179,9 @@ class AsyncEngine:
             self._built = self._builder(self.config, self._set_phase)
             for callback in self._listeners:
                 self._built.core.add_step_listener(callback)
+            add_death_listener = getattr(self._built.core, "add_death_listener", None)
+            if add_death_listener is not None:  # a core in another process
+                add_death_listener(self._on_core_gone)
         except Exception as exc:  # surfaced through startup_phase / startup_error
             logger.exception("engine startup failed")
             self.startup_error = f"{type(exc).__name__}: {exc}"
@@ -179,14 +196,26 @@ class AsyncEngine:
             if close is not None:
                 close()
 
+    def _on_core_gone(self, reason: str) -> None:  # on the remote core's reader thread
+        with self._cv:
+            self._core_gone = reason
+            self._cv.notify()
+
     def _loop(self, core) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._aborts or self._stop or core.has_unfinished()):
+                while not (
+                    self._inbox or self._aborts or self._stop or self._core_gone or core.has_unfinished()
+                ):
                     self._cv.wait()
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 stop = self._stop
+                self._num_admitting = 0 if stop else len(inbox)
+                gone = self._core_gone
+            if gone is not None:
+                self._die(gone)
+                return
             for request_id in aborts:
                 self._deliver(core.abort(request_id))
             for new in inbox:
@@ -200,12 +229,31 @@ class AsyncEngine:
                 return
             if core.has_unfinished():
                 self._step(core)
+            if self.dead_error is not None:
+                return
 
     def _admit(self, core, new: _NewRequest) -> None:
         try:
             core.add_request(new.request_id, new.prompt_token_ids, new.params, new.priority, new.arrival_time)
         except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
             self._fail(new.request_id, exc)
+        finally:
+            with self._cv:  # now counted by the core's num_waiting (or gone)
+                self._num_admitting -= 1
+
+    def _die(self, reason: str) -> None:
+        """The core is gone: fail every stream and refuse new requests from now on."""
+        with self._cv:
+            if self.dead_error is not None:
+                return
+            self.dead_error = reason
+            streams, self._streams = self._streams, {}
+            self._inbox = []
+            listeners, self._death_listeners = self._death_listeners, []
+        dead = EngineDeadError(reason)
+        _post([(stream, dead) for stream in streams.values()])
+        for callback in listeners:
+            callback(reason)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
@@ -226,6 +274,8 @@ class AsyncEngine:
             for request_id in streams:
                 core.abort(request_id)
             _post([(stream, dead) for stream in streams.values()])
+            if isinstance(exc, EngineDeadError):  # the core's process is gone: nothing will recover
+                self._die(str(exc))
             return
         self._deliver(outputs)
 
@@ -257,10 +307,12 @@ class AsyncEngine:
         new = self._make_request(prompt, prompt_token_ids, sampling_params, priority, request_id)
         stream = _Stream(asyncio.get_running_loop())
         with self._cv:
+            if self.dead_error is not None:
+                raise EngineDeadError(self.dead_error)
             if not self._accepting or self._stop:
                 raise EngineDeadError("the engine is shutting down")
-            core = self._built.core
-            if core.scheduler.num_waiting + len(self._inbox) >= self.config.scheduler.max_waiting_requests:
+            num_waiting = self._built.core.scheduler.num_waiting + len(self._inbox) + self._num_admitting
+            if num_waiting >= self.config.scheduler.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"waiting queue full (max_waiting_requests={self.config.scheduler.max_waiting_requests})"
                 )

@@ -7,11 +7,14 @@ never delays a step. One duplex pipe (pickled messages) joins them:
 
     server -> core   ("add", _Add) | ("abort", request_id) | ("stop",)
     core -> server   ("phase", name) | ("ready", CoreInfo) | ("failed", message)
-                     ("step", outputs, [StepStats], stats dict)
+                     ("step", outputs, [StepStats], stats dict, number of adds received)
+                     ("step_failed", message, aborted request ids)
 
 `RemoteCore` is the server side: it offers what AsyncEngine's loop calls on an EngineCore
 (validate, add_request, abort, has_unfinished, step, stats, add_step_listener) and `close`.
-`step()` waits for the next step message; the core steps on its own meanwhile.
+A reader thread drains the pipe into a queue all the time, so the core never blocks on a full
+pipe while the server is busy sending it a burst of long prompts (both sides blocked in send()
+would deadlock); `step()` takes every step message waiting and merges them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +124,8 @@ def _core_main(config: EngineConfig, conn) -> None:
 
 def _serve(core, conn, step_stats: list[StepStats]) -> None:
     outputs: list[RequestOutput] = []
+    in_flight: set[str] = set()  # admitted, not yet finished: what a failed step must end
+    num_adds = 0  # adds received so far: the server counts the rest as waiting
     while True:
         while conn.poll(0) or not (core.has_unfinished() or outputs):  # block only when idle
             msg = conn.recv()
@@ -127,18 +134,39 @@ def _serve(core, conn, step_stats: list[StepStats]) -> None:
             if msg[0] == "abort":
                 outputs += core.abort(msg[1])
             else:
-                outputs += _admit(core, msg[1])
+                num_adds += 1
+                outputs += _admit(core, msg[1], in_flight)
+        failure = None
         if core.has_unfinished():
-            outputs += core.step()
-        conn.send(("step", outputs, step_stats[:], core.stats()))
+            try:
+                outputs += core.step()
+            except Exception as exc:  # like AsyncEngine in process: end the in-flight requests, go on
+                logger.exception("engine step failed; aborting in-flight requests")
+                failure = ("step_failed", f"{type(exc).__name__}: {exc}", _abort_all(core, in_flight))
+        for out in outputs:
+            if out.finished:
+                in_flight.discard(out.request_id)
+        conn.send(("step", outputs, step_stats[:], core.stats(), num_adds))
+        if failure is not None:
+            conn.send(failure)
         outputs, step_stats[:] = [], []
 
 
-def _admit(core, add: _Add) -> list[RequestOutput]:
-    """Add a request; a late rejection (the server validated with the same limits, so this is a
-    race with the waiting queue) ends its stream with an error finish."""
+def _abort_all(core, in_flight: set[str]) -> list[str]:
+    """Abort every in-flight request after a failed step (their streams get the error instead)."""
+    request_ids = sorted(in_flight)
+    for request_id in request_ids:
+        core.abort(request_id)  # raising here ends the process: the server then sees it dead
+    in_flight.clear()
+    return request_ids
+
+
+def _admit(core, add: _Add, in_flight: set[str]) -> list[RequestOutput]:
+    """Add a request; a late rejection (the server validated with the same limits and counts
+    unreported adds as waiting, so this should not happen) ends its stream with an error finish."""
     try:
         core.add_request(add.request_id, add.prompt_token_ids, add.params, add.priority, add.arrival_time)
+        in_flight.add(add.request_id)
         return []
     except (InvalidRequestError, EngineOverloadedError) as exc:
         deltas = [
@@ -149,11 +177,22 @@ def _admit(core, add: _Add) -> list[RequestOutput]:
 
 
 # ---- the server side --------------------------------------------------------------------------
-@dataclass
-class _SchedulerView:
-    """The scheduler numbers AsyncEngine reads (as of the last step message)."""
+class CoreStepError(RuntimeError):
+    """A step failed inside the core process; it aborted the in-flight requests and goes on."""
 
-    num_waiting: int = 0
+
+class _SchedulerView:
+    """The scheduler numbers AsyncEngine reads: the waiting count of the last step message plus
+    the adds sent since that the core had not received then (counted as waiting: an upper bound)."""
+
+    def __init__(self, remote: RemoteCore) -> None:
+        self._remote = remote
+
+    @property
+    def num_waiting(self) -> int:
+        remote = self._remote
+        num_seen, num_waiting = remote._waiting_report
+        return num_waiting + remote._num_adds_sent - num_seen
 
 
 @dataclass
@@ -175,10 +214,21 @@ class RemoteCore:
         self.info = info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
-        self.scheduler = _SchedulerView()
+        self.scheduler = _SchedulerView(self)
         self._in_flight: set[str] = set()
         self._stats = info.stats
         self._listeners: list[Callable[[StepStats], None]] = []
+        self._death_listeners: list[Callable[[str], None]] = []
+        self._num_adds_sent = 0
+        # (adds the core had received, its num_waiting) as of the newest step message; one
+        # tuple so a reader on another thread never sees half an update.
+        self._waiting_report = (0, int(info.stats.get("num_waiting", 0)))
+        self._cv = threading.Condition()
+        self._received: deque[tuple] = deque()  # messages from the core, oldest first
+        self._gone: str | None = None  # why the core process is gone (None while it runs)
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="pagedinfer-core-reader", daemon=True)
+        self._reader.start()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """EngineCore.validate's checks, from the limits the core reported at startup."""
@@ -200,6 +250,7 @@ class RemoteCore:
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0, arrival_time=None) -> None:
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._num_adds_sent += 1  # before sending: num_waiting must never miss it
         self._send(("add", _Add(request_id, list(prompt_token_ids), params, priority, arrival)))
         self._in_flight.add(request_id)
 
@@ -215,23 +266,77 @@ class RemoteCore:
     def has_unfinished(self) -> bool:
         return bool(self._in_flight)
 
+    @property
+    def is_dead(self) -> bool:
+        return self._gone is not None
+
+    def add_death_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` once, on the reader thread, when the core process dies."""
+        with self._cv:
+            gone = self._gone
+            if gone is None:
+                self._death_listeners.append(callback)
+        if gone is not None:
+            callback(gone)
+
     def step(self) -> list[RequestOutput]:
-        """The next step's outputs (blocks until the core sends them)."""
-        try:
-            kind, outputs, step_stats, stats = self._conn.recv()
-        except (EOFError, OSError) as exc:
+        """Outputs of every step message received since the last call (blocks until one is)."""
+        with self._cv:
+            while not self._received and self._gone is None:
+                self._cv.wait()
+            messages = self._take_steps()
+            gone = self._gone
+        if not messages:
             self._in_flight.clear()
-            raise EngineDeadError(f"the engine core process exited ({self._process.exitcode})") from exc
-        assert kind == "step"
-        self._stats = stats
-        self.scheduler.num_waiting = int(stats.get("num_waiting", 0))
+            raise EngineDeadError(gone)
+        if messages[0][0] == "step_failed":
+            _, message, aborted = messages[0]
+            self._in_flight.difference_update(aborted)
+            raise CoreStepError(message)
+        outputs: list[RequestOutput] = []
+        for _, step_outputs, step_stats, stats, _ in messages:
+            outputs += step_outputs
+            self._stats = stats
+            for s in step_stats:
+                for callback in self._listeners:
+                    callback(s)
         for out in outputs:
             if out.finished:
                 self._in_flight.discard(out.request_id)
-        for s in step_stats:
-            for callback in self._listeners:
-                callback(s)
         return outputs
+
+    def _take_steps(self) -> list[tuple]:
+        """The step messages at the head of the queue, or a step failure alone (in order)."""
+        if self._received and self._received[0][0] == "step_failed":
+            return [self._received.popleft()]
+        messages = []
+        while self._received and self._received[0][0] == "step":
+            messages.append(self._received.popleft())
+        return messages
+
+    def _read(self) -> None:
+        """The reader thread: everything the core sends goes to the queue at once."""
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "step":
+                self._waiting_report = (msg[4], int(msg[3].get("num_waiting", 0)))
+            with self._cv:
+                self._received.append(msg)
+                self._cv.notify()
+        if not self._closing:
+            self._process.join(5)  # reap it: its exit code says why
+        reason = f"the engine core process exited ({self._process.exitcode})"
+        with self._cv:
+            self._gone = reason
+            listeners, self._death_listeners = self._death_listeners, []
+            self._cv.notify()
+        if not self._closing:
+            logger.error("%s", reason)
+            for callback in listeners:
+                callback(reason)
 
     def stats(self) -> dict[str, float]:
         return self._stats
@@ -241,11 +346,14 @@ class RemoteCore:
 
     def close(self) -> None:
         """Stop the core process (the AsyncEngine loop has ended: nothing is in flight)."""
+        self._closing = True
         with contextlib.suppress(OSError):  # already gone
             self._conn.send(("stop",))
         self._process.join(30)
         if self._process.is_alive():
             self._process.kill()
+            self._process.join(5)
+        self._reader.join(5)  # the core's end closed: the reader has seen EOF
         self._conn.close()
 
     def _send(self, msg: tuple) -> None:

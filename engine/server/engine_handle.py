@@ -2,12 +2,15 @@
 
 HTTP comes up first and answers /health, /startup and /metrics while the model loads; the
 handle loads the engine in the background and tells every ingress path whether it may take
-new requests (`require_engine`) and how far loading got (`startup_report`).
+new requests (`require_engine`) and how far loading got (`startup_report`). An engine whose
+core dies while serving (its process crashed or was OOM-killed) turns the handle FAILED, so
+readiness and liveness fail and Kubernetes restarts the pod.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import inspect
 import logging
@@ -87,6 +90,8 @@ class EngineHandle:
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready_listeners: list[Callable[[], Awaitable[None] | None]] = []
+        self._death_listeners: list[Callable[[], Awaitable[None] | None]] = []
+        self._background: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start_loading(self) -> asyncio.Task:
@@ -97,6 +102,10 @@ class EngineHandle:
 
     def on_ready(self, callback: Callable[[], Awaitable[None] | None]) -> None:
         self._ready_listeners.append(callback)
+
+    def on_death(self, callback: Callable[[], Awaitable[None] | None]) -> None:
+        """Called (on the event loop) when a serving engine dies for good."""
+        self._death_listeners.append(callback)
 
     async def _load(self) -> None:
         try:
@@ -118,6 +127,29 @@ class EngineHandle:
                 result = callback()
                 if inspect.isawaitable(result):
                     await result
+        # After the ready listeners: a death reported meanwhile must have the last word.
+        add_death_listener = getattr(self._engine, "add_death_listener", None)
+        if add_death_listener is not None:
+            loop = asyncio.get_running_loop()
+
+            def from_engine_thread(reason: str) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+                    loop.call_soon_threadsafe(self._on_engine_death, reason)
+
+            add_death_listener(from_engine_thread)
+
+    def _on_engine_death(self, reason: str) -> None:
+        if self._state not in (ServerState.STARTING, ServerState.SERVING):
+            return  # draining or stopped: shutdown reports it
+        self._state = ServerState.FAILED
+        self._error = f"engine died: {reason}"
+        logger.error("engine died: %s; readiness and liveness now fail", reason)
+        for callback in self._death_listeners:
+            result = callback()
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _wait_engine_ready(self, engine: Any) -> None:
         # An engine that loads in its own background task reports progress via startup_phase.
@@ -156,6 +188,15 @@ class EngineHandle:
         return self._state is ServerState.SERVING
 
     @property
+    def is_alive(self) -> bool:
+        """False once loading failed or the engine died: only a restart helps (liveness probe)."""
+        return self._state is not ServerState.FAILED
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
     def engine(self) -> Any | None:
         return self._engine
 
@@ -169,6 +210,8 @@ class EngineHandle:
             return self._engine
         if self._state is ServerState.STARTING:
             raise NotServingError(f"model is loading ({self.startup_report().phase})", retry_after_seconds=5)
+        if self._state is ServerState.FAILED and self._ready_at is not None:
+            raise NotServingError(f"engine failed: {self._error}", retry_after_seconds=60)
         if self._state is ServerState.FAILED:
             raise NotServingError(f"model failed to load: {self._error}", retry_after_seconds=60)
         raise NotServingError("server is shutting down", retry_after_seconds=1)

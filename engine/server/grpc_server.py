@@ -2,7 +2,7 @@
 
 Cancelling a Generate call or letting its deadline pass cancels the handler; the stream's
 `aclose` then aborts the engine request, which frees its KV-cache blocks. Health reports
-NOT_SERVING until the model is loaded and again while draining.
+NOT_SERVING until the model is loaded, while draining, and for good once the engine dies.
 """
 
 from __future__ import annotations
@@ -299,6 +299,7 @@ class GrpcServer:
         self.server.add_generic_rpc_handlers((_service_handler(InferenceServicer(service)),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        service.handle.on_death(lambda: self.set_serving(False))  # the engine died while serving
         names = (
             SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -141,8 +141,10 @@ def _add_probe_routes(app: FastAPI, service: GenerationService) -> None:
     handle, metrics = service.handle, service.metrics
 
     @app.get("/health", include_in_schema=False)
-    async def health() -> dict:
-        return {"status": "alive"}
+    async def health() -> JSONResponse:
+        if handle.is_alive:
+            return JSONResponse({"status": "alive"})
+        return JSONResponse({"status": "dead", "error": handle.error}, status_code=503)
 
     @app.get("/ready", include_in_schema=False)
     async def ready() -> JSONResponse:

@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import threading
+import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
+from grpc_health.v1 import health_pb2
 
 from pagedinfer.engine.async_engine import AsyncEngine
-from pagedinfer.engine.core_process import build_remote_engine
-from pagedinfer.engine.errors import EngineDeadError
-from pagedinfer.engine.outputs import FinishReason
+from pagedinfer.engine.config import ServerConfig
+from pagedinfer.engine.core_process import (
+    CoreInfo,
+    CoreStepError,
+    RemoteBuilt,
+    RemoteCore,
+    _serve,
+    build_remote_engine,
+)
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedinfer.engine.metrics import ServingMetrics
+from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput
 from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.server.auth import ApiKeyAuth
+from pagedinfer.engine.server.engine_handle import EngineHandle, NotServingError, ServerState
+from pagedinfer.engine.server.generation import GenerationService
+from pagedinfer.engine.server.grpc_server import GrpcServer
+from pagedinfer.engine.server.http_server import build_app
 from tests.engine.test_engine_async import collect, config, until
 
 pytestmark = pytest.mark.timeout(180)
@@ -64,9 +82,21 @@ async def test_remote_core_matches_in_process_and_aborts_and_stops(tiny_llama_di
     assert not process.is_alive() and process.exitcode == 0
 
 
-async def test_dead_core_fails_requests_with_engine_dead(tiny_llama_dir):
-    engine = AsyncEngine.from_config(config(tiny_llama_dir), build_remote_engine)
-    await engine.wait_ready()
+async def test_dead_core_fails_requests_and_health_and_readiness(tiny_llama_dir):
+    """A killed core process (crash, OOM kill): streams and later requests fail, and /ready,
+    /health and gRPC health all report it, so Kubernetes restarts the pod."""
+    handle = EngineHandle(
+        config(tiny_llama_dir), lambda cfg: AsyncEngine.from_config(cfg, build_remote_engine)
+    )
+    service = GenerationService(handle, ServingMetrics("tiny"))
+    app = build_app(service, ServerConfig(), ApiKeyAuth(None))
+    grpc_server = GrpcServer(service, ServerConfig(grpc_port=0), ApiKeyAuth(None))
+    handle.on_ready(lambda: grpc_server.set_serving(True))
+    await handle.start_loading()
+    engine = handle.engine
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    assert [(await http.get(p)).status_code for p in ("/ready", "/health")] == [200, 200]
+    assert await grpc_status(grpc_server) == health_pb2.HealthCheckResponse.SERVING
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     gen = engine.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)
     await gen.__anext__()
@@ -76,7 +106,25 @@ async def test_dead_core_fails_requests_with_engine_dead(tiny_llama_dir):
             pass
     with pytest.raises(EngineDeadError):  # later requests too, instead of hanging
         await collect(engine, [5, 6], params)
-    await engine.shutdown(0.5)
+    await until(lambda: handle.state is ServerState.FAILED)
+    assert [(await http.get(p)).status_code for p in ("/ready", "/health")] == [503, 503]
+    assert "engine died" in (await http.get("/health")).json()["error"]
+    await until_async(lambda: grpc_status(grpc_server), health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(NotServingError, match="engine failed"):
+        handle.require_engine()
+    await http.aclose()
+    await handle.drain_and_shutdown(1.0)
+
+
+async def grpc_status(server: GrpcServer) -> int:
+    return (await server.health.Check(health_pb2.HealthCheckRequest(), None)).status
+
+
+async def until_async(get, want, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := await get()) != want:
+        assert time.monotonic() < deadline, f"still {got}"
+        await asyncio.sleep(0.01)
 
 
 class _DyingCore:
@@ -133,3 +181,169 @@ async def test_request_arriving_while_in_flight_ones_fail_gets_engine_dead():
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(task, 10)
     await asyncio.wait_for(engine.shutdown(0.5), 10)
+
+
+# ---- the pipe protocol against a model-free core on a thread -------------------------------------
+class _FakeCore:
+    """EngineCore's surface without a model: each running request gets token 7 per step until
+    its max_tokens; `fail_at` lists steps that raise; `max_running` leaves the rest waiting."""
+
+    def __init__(self, fail_at=(), max_running=1000, delay=0.0) -> None:
+        self.left: dict[str, int] = {}
+        self.fail_at, self.max_running, self.delay = set(fail_at), max_running, delay
+        self.num_adds = self.num_steps = 0
+        self.aborted: list[str] = []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.left)
+
+    def add_request(self, request_id, prompt_token_ids, params, priority, arrival_time) -> None:
+        self.num_adds += 1
+        self.left[request_id] = params.max_tokens
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        if self.left.pop(request_id, None) is None:
+            return []
+        return [RequestOutput(request_id, [CompletionDelta(0, finish_reason=FinishReason.ABORT)], True)]
+
+    def step(self):
+        self.num_steps += 1
+        time.sleep(self.delay)
+        if self.num_steps in self.fail_at:
+            raise RuntimeError("step exploded")
+        outputs = []
+        for request_id in list(self.left)[: self.max_running]:
+            self.left[request_id] -= 1
+            done = self.left[request_id] == 0
+            if done:
+                del self.left[request_id]
+            reason = FinishReason.LENGTH if done else None
+            outputs.append(
+                RequestOutput(request_id, [CompletionDelta(0, " t", [7], finish_reason=reason)], done)
+            )
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        return {"num_waiting": float(max(len(self.left) - self.max_running, 0))}
+
+
+class _ThreadProcess:
+    """Stands in for the core's process: `_serve` on a thread, its pipe end closed at exit."""
+
+    def __init__(self, core, conn) -> None:
+        self.exitcode = None
+        self._thread = threading.Thread(target=self._main, args=(core, conn), daemon=True)
+        self._thread.start()
+
+    def _main(self, core, conn) -> None:
+        try:
+            _serve(core, conn, [])
+            self.exitcode = 0
+        except BaseException:
+            self.exitcode = 1
+            raise
+        finally:
+            conn.close()
+
+    def join(self, timeout=None) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def kill(self) -> None:
+        pass
+
+
+def remote_on_thread(core: _FakeCore) -> RemoteCore:
+    server_conn, child_conn = multiprocessing.Pipe(duplex=True)
+    info = CoreInfo(None, None, 8192, None, 100_000, 4, 8, core.stats())
+    return RemoteCore(_ThreadProcess(core, child_conn), server_conn, info)
+
+
+def test_burst_of_long_prompts_while_the_core_streams_never_deadlocks():
+    """The core sends a big step message every few ms while the server sends 200 prompts of
+    4,000 tokens without stepping: both sides blocked in send() unless the pipe is drained."""
+    core = _FakeCore(delay=0.002)
+    remote = remote_on_thread(core)
+    params = SamplingParams(max_tokens=10**6)
+    for i in range(256):  # 256 streams decoding: ~256 outputs per step message
+        remote.add_request(f"busy-{i}", [1], params)
+    sender = threading.Thread(
+        target=lambda: [remote.add_request(f"new-{i}", list(range(4000)), params) for i in range(200)],
+        daemon=True,
+    )
+    sender.start()
+    sender.join(30)
+    assert not sender.is_alive() and remote._num_adds_sent == 456
+    deadline = time.monotonic() + 30
+    while core.num_adds < 456:
+        assert time.monotonic() < deadline, f"the core received {core.num_adds} of 456"
+        time.sleep(0.01)
+    outputs = remote.step()  # every step message waiting, merged: several tokens per request
+    assert sum(1 for o in outputs if o.request_id == "busy-0") > 1
+    remote.close()
+    assert not remote._reader.is_alive() and not remote._process.is_alive()
+
+
+def test_failed_step_in_core_fails_in_flight_requests_and_keeps_serving():
+    core = _FakeCore(fail_at={2})
+    remote = remote_on_thread(core)
+    remote.add_request("a", [1], SamplingParams(max_tokens=5))
+    remote.add_request("b", [1], SamplingParams(max_tokens=5))
+    with pytest.raises(CoreStepError, match="step exploded"):
+        while True:
+            remote.step()
+    assert sorted(core.aborted) == ["a", "b"] and not remote.has_unfinished()
+    remote.add_request("c", [1], SamplingParams(max_tokens=3))  # the core lives on
+    tokens = []
+    while remote.has_unfinished():
+        tokens += [t for o in remote.step() for d in o.deltas for t in d.token_ids]
+    assert tokens == [7, 7, 7] and not remote.is_dead
+    remote.close()
+
+
+async def test_failed_step_in_core_ends_streams_with_error_then_serves_again():
+    core = _FakeCore(fail_at={3}, delay=0.01)
+    built = RemoteBuilt(remote_on_thread(core), None, None, 8192)
+    engine = AsyncEngine.from_config(config("unused"), lambda cfg, on_phase: built)
+    await engine.wait_ready()
+    with pytest.raises(EngineDeadError, match="step exploded"):
+        await collect(engine, [1, 2], SamplingParams(max_tokens=50))
+    outs = await collect(engine, [1, 2], SamplingParams(max_tokens=4))
+    assert outs[-1].finished and outs[-1].deltas[-1].finish_reason is FinishReason.LENGTH
+    assert engine.dead_error is None
+    await engine.shutdown(1.0)
+
+
+def test_num_waiting_counts_adds_the_core_has_not_reported():
+    core = _FakeCore(max_running=0)  # everything waits
+    remote = remote_on_thread(core)
+    for i in range(3):
+        remote.add_request(f"r{i}", [1], SamplingParams(max_tokens=5))
+        assert remote.scheduler.num_waiting == i + 1  # at once, before any step message
+    remote.step()
+    assert remote.scheduler.num_waiting == 3
+    for i in range(3):
+        remote.abort(f"r{i}")
+    while remote.has_unfinished():
+        remote.step()
+    assert remote.scheduler.num_waiting == 0
+    remote.close()
+
+
+async def test_burst_over_the_waiting_limit_is_refused_before_streaming():
+    """Requests over max_waiting_requests raise EngineOverloadedError (HTTP 429) in generate(),
+    never a stream that the core ends with finish_reason=error."""
+    core = _FakeCore(max_running=0)
+    built = RemoteBuilt(remote_on_thread(core), None, None, 8192)
+    engine = AsyncEngine.from_config(config("unused", max_waiting_requests=3), lambda cfg, on_phase: built)
+    await engine.wait_ready()
+    tasks = [asyncio.create_task(collect(engine, [1, 2], SamplingParams(max_tokens=5))) for _ in range(12)]
+    for _ in range(20):  # let the burst reach the core and its step messages come back
+        await asyncio.sleep(0.01)
+    done = [t for t in tasks if t.done()]
+    assert len(done) == 9 and all(isinstance(t.exception(), EngineOverloadedError) for t in done)
+    await engine.shutdown(0.0)
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -141,9 +141,12 @@ async def test_lagging_consumer_gets_merged_updates_with_every_token(tiny_llama_
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     prompt = [5, 6, 7, 8]
     eager = await collect(engine, prompt, params)  # reads as fast as the engine steps
-    lagging, gen = [], engine.generate(prompt_token_ids=prompt, sampling_params=params)
+    lagging, gen = [], engine.generate(prompt_token_ids=prompt, sampling_params=params, request_id="lag")
     lagging.append(await gen.__anext__())
-    await until(lambda: engine.stats()["num_running"] == 0)  # everything else piles up unread
+    stream = engine._streams["lag"]  # still in flight: the first update was one token of twelve
+    # Everything else piles up unread, up to the final output (num_running reaches 0 inside the
+    # step, before that output is posted: waiting on it could see the last update split off).
+    await until(lambda: any(getattr(item, "finished", False) for item in stream.items))
     lagging += [out async for out in gen]
     assert len(lagging) == 2 and lagging[-1].finished  # the first update, then one with the rest
 
