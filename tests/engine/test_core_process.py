@@ -186,11 +186,13 @@ async def test_request_arriving_while_in_flight_ones_fail_gets_engine_dead():
 # ---- the pipe protocol against a model-free core on a thread -------------------------------------
 class _FakeCore:
     """EngineCore's surface without a model: each running request gets token 7 per step until
-    its max_tokens; `fail_at` lists steps that raise; `max_running` leaves the rest waiting."""
+    its max_tokens; `fail_at` lists steps that raise; `max_running` leaves the rest waiting, and
+    adds beyond `max_waiting` waiting are refused, as EngineCore does."""
 
-    def __init__(self, fail_at=(), max_running=1000, delay=0.0) -> None:
+    def __init__(self, fail_at=(), max_running=1000, delay=0.0, max_waiting=10**6) -> None:
         self.left: dict[str, int] = {}
         self.fail_at, self.max_running, self.delay = set(fail_at), max_running, delay
+        self.max_waiting = max_waiting
         self.num_adds = self.num_steps = 0
         self.aborted: list[str] = []
 
@@ -199,6 +201,8 @@ class _FakeCore:
 
     def add_request(self, request_id, prompt_token_ids, params, priority, arrival_time) -> None:
         self.num_adds += 1
+        if len(self.left) - self.max_running >= self.max_waiting:
+            raise EngineOverloadedError("waiting queue full")
         self.left[request_id] = params.max_tokens
 
     def abort(self, request_id):
@@ -333,17 +337,21 @@ def test_num_waiting_counts_adds_the_core_has_not_reported():
     remote.close()
 
 
-async def test_burst_over_the_waiting_limit_is_refused_before_streaming():
-    """Requests over max_waiting_requests raise EngineOverloadedError (HTTP 429) in generate(),
-    never a stream that the core ends with finish_reason=error."""
-    core = _FakeCore(max_running=0)
+async def test_requests_over_the_waiting_limit_are_refused_before_streaming():
+    """With the core busy in a long step, adds already sent are not in its last report yet: they
+    must still count, so requests over max_waiting_requests raise EngineOverloadedError in
+    generate() (HTTP 429) instead of streams the core ends with finish_reason=error."""
+    core = _FakeCore(max_running=0, delay=0.2, max_waiting=3)
     built = RemoteBuilt(remote_on_thread(core), None, None, 8192)
     engine = AsyncEngine.from_config(config("unused", max_waiting_requests=3), lambda cfg, on_phase: built)
     await engine.wait_ready()
-    tasks = [asyncio.create_task(collect(engine, [1, 2], SamplingParams(max_tokens=5))) for _ in range(12)]
-    for _ in range(20):  # let the burst reach the core and its step messages come back
-        await asyncio.sleep(0.01)
+    tasks = []
+    for _ in range(6):  # spaced: each add reaches the pipe before the next request comes
+        tasks.append(asyncio.create_task(collect(engine, [1, 2], SamplingParams(max_tokens=5))))
+        await asyncio.sleep(0.03)
+    await asyncio.sleep(0.5)  # several step messages: any late rejection would have come back
     done = [t for t in tasks if t.done()]
-    assert len(done) == 9 and all(isinstance(t.exception(), EngineOverloadedError) for t in done)
+    assert len(done) == 3 and all(isinstance(t.exception(), EngineOverloadedError) for t in done)
+    assert core.num_adds == 3
     await engine.shutdown(0.0)
     await asyncio.gather(*tasks, return_exceptions=True)
