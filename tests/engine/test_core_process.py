@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2
 
 from pagedinfer.engine.async_engine import AsyncEngine
 from pagedinfer.engine.config import ServerConfig
@@ -29,7 +28,6 @@ from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParam
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.engine_handle import EngineHandle, NotServingError, ServerState
 from pagedinfer.engine.server.generation import GenerationService
-from pagedinfer.engine.server.grpc_server import GrpcServer
 from pagedinfer.engine.server.http_server import build_app
 from tests.engine.test_engine_async import collect, config, until
 
@@ -84,19 +82,19 @@ async def test_remote_core_matches_in_process_and_aborts_and_stops(tiny_llama_di
 
 async def test_dead_core_fails_requests_and_health_and_readiness(tiny_llama_dir):
     """A killed core process (crash, OOM kill): streams and later requests fail, and /ready,
-    /health and gRPC health all report it, so Kubernetes restarts the pod."""
+    /health and the death listeners (gRPC health: test_lifecycle) report it, so Kubernetes
+    restarts the pod."""
     handle = EngineHandle(
         config(tiny_llama_dir), lambda cfg: AsyncEngine.from_config(cfg, build_remote_engine)
     )
     service = GenerationService(handle, ServingMetrics("tiny"))
     app = build_app(service, ServerConfig(), ApiKeyAuth(None))
-    grpc_server = GrpcServer(service, ServerConfig(grpc_port=0), ApiKeyAuth(None))
-    handle.on_ready(lambda: grpc_server.set_serving(True))
+    deaths = []
+    handle.on_death(lambda: deaths.append(handle.state))
     await handle.start_loading()
     engine = handle.engine
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
     assert [(await http.get(p)).status_code for p in ("/ready", "/health")] == [200, 200]
-    assert await grpc_status(grpc_server) == health_pb2.HealthCheckResponse.SERVING
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     gen = engine.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)
     await gen.__anext__()
@@ -109,22 +107,11 @@ async def test_dead_core_fails_requests_and_health_and_readiness(tiny_llama_dir)
     await until(lambda: handle.state is ServerState.FAILED)
     assert [(await http.get(p)).status_code for p in ("/ready", "/health")] == [503, 503]
     assert "engine died" in (await http.get("/health")).json()["error"]
-    await until_async(lambda: grpc_status(grpc_server), health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert deaths == [ServerState.FAILED]
     with pytest.raises(NotServingError, match="engine failed"):
         handle.require_engine()
     await http.aclose()
     await handle.drain_and_shutdown(1.0)
-
-
-async def grpc_status(server: GrpcServer) -> int:
-    return (await server.health.Check(health_pb2.HealthCheckRequest(), None)).status
-
-
-async def until_async(get, want, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (got := await get()) != want:
-        assert time.monotonic() < deadline, f"still {got}"
-        await asyncio.sleep(0.01)
 
 
 class _DyingCore:
