@@ -4,9 +4,11 @@ through the OpenAI SDK, then SIGTERM drains the in-flight request and the proces
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -106,3 +108,43 @@ def _expect_refusing(proc) -> None:
     with grpc.insecure_channel(proc.grpc_target) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_dead_engine_process_fails_probes_and_grpc_health(server_proc_cls, tiny_model) -> None:
+    """The engine core process killed (a crash, an OOM kill): the pod must report it so
+    Kubernetes restarts it, instead of answering ready with an engine that cannot step."""
+    proc = server_proc_cls(extra_args=("--engine-process",), model=tiny_model).start()
+    try:
+        proc.wait_ready()
+        assert httpx.get(f"{proc.http}/health", timeout=5).status_code == 200
+        os.kill(_engine_core_pid(proc.proc.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{proc.http}/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, proc.log()[-3000:]
+            time.sleep(0.05)
+        health = httpx.get(f"{proc.http}/health", timeout=5)
+        assert health.status_code == 503 and "engine died" in health.json()["error"], health.text
+        r = httpx.post(f"{proc.http}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503, r.text
+        with grpc.insecure_channel(proc.grpc_target) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            while (
+                check(health_pb2.HealthCheckRequest(), timeout=5).status
+                != health_pb2.HealthCheckResponse.NOT_SERVING
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.log()[-4000:]
+
+
+def _engine_core_pid(server_pid: int) -> int:
+    """The spawned engine core among the server's children (not multiprocessing's resource tracker)."""
+    tasks = Path(f"/proc/{server_pid}/task").iterdir()  # the engine thread spawned it
+    children = [pid for task in tasks for pid in (task / "children").read_text().split()]
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no engine core process among {children}")
