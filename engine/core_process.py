@@ -264,7 +264,9 @@ class RemoteCore:
         return []
 
     def has_unfinished(self) -> bool:
-        return bool(self._in_flight)
+        # Messages still queued count too: a step failure reported after its step's outputs
+        # must reach AsyncEngine now, not fail the next request that comes along.
+        return bool(self._in_flight or self._received)
 
     @property
     def is_dead(self) -> bool:
