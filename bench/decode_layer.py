@@ -34,23 +34,11 @@ import torch
 from pagedinfer.engine.config import ModelConfig
 from pagedinfer.engine.models.layers.rotary import RotaryEmbedding
 from pagedinfer.engine.models.llama import LlamaDecoderLayer
+from pagedinfer.engine.models.shapes import LLAMA3_8B
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.kernels import fused_ops, ops
 from pagedinfer.kernels import fused_reference as ref
 
-LLAMA3_8B = ModelConfig(
-    architecture="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-)
 SMOKE = dataclasses.replace(
     LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16
 )

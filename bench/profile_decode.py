@@ -24,21 +24,8 @@ import torch
 from pagedinfer.engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedinfer.engine.engine_builder import assemble_engine
 from pagedinfer.engine.models.llama import LlamaForCausalLM
+from pagedinfer.engine.models.shapes import LLAMA3_8B
 from pagedinfer.engine.sampling_params import SamplingParams
-
-LLAMA3_8B = ModelConfig(
-    architecture="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-)
 
 
 def random_model(mc: ModelConfig) -> LlamaForCausalLM:

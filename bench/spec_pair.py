@@ -18,22 +18,11 @@ import torch
 
 from pagedinfer.engine.config import ModelConfig
 from pagedinfer.engine.models.llama import LlamaForCausalLM
+from pagedinfer.engine.models.shapes import LLAMA3_8B
 from pagedinfer.engine.spec_decode.self_draft import LayerSubsetDraft
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
 
-LLAMA3_8B = ModelConfig(
-    architecture="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
 # Same construction at toy size, for a CPU smoke run of the benchmark code.
 SMOKE = replace(
     LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
