@@ -7,14 +7,10 @@ tests/kernels/test_fused_gpu.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from pagedinfer.kernels.fused_testing import INTERPRETER_CASES, INTERPRETER_DTYPES
+from tests.kernels.interpreter_run import run_interpreter_cases
 
 pytest.importorskip("triton")
 
@@ -27,18 +23,7 @@ CASE_IDS = [
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory) -> dict[tuple[str, str], dict]:
-    out = tmp_path_factory.mktemp("fused_interp") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagedinfer.kernels.fused_testing", str(out)],
-        env=env,
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return {(r["name"], r["dtype"]): r for r in json.loads(out.read_text())}
+    return run_interpreter_cases("pagedinfer.kernels.fused_testing", tmp_path_factory.mktemp("fused_interp"))
 
 
 @pytest.mark.parametrize("name,dtype", CASE_IDS, ids=[f"{n}-{d}" for n, d in CASE_IDS])

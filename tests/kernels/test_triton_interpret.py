@@ -6,14 +6,10 @@ The interpreter must be enabled before triton is imported, so the cases run in o
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from pagedinfer.kernels.testing import INTERPRETER_CASES, INTERPRETER_DTYPES
+from tests.kernels.interpreter_run import run_interpreter_cases
 
 pytest.importorskip("triton")
 
@@ -26,18 +22,7 @@ CASE_IDS = [
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory) -> dict[tuple[str, str], dict]:
-    out = tmp_path_factory.mktemp("interp") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagedinfer.kernels.testing", str(out)],
-        env=env,
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return {(r["name"], r["dtype"]): r for r in json.loads(out.read_text())}
+    return run_interpreter_cases("pagedinfer.kernels.testing", tmp_path_factory.mktemp("interp"))
 
 
 @pytest.mark.parametrize("name,dtype", CASE_IDS, ids=[f"{n}-{d}" for n, d in CASE_IDS])
