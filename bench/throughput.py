@@ -220,16 +220,24 @@ def run_gpu(args) -> dict:
         print(f"concurrency {conc}: {r.output_tok_s:.0f} tok/s")
     single = curve[0] if args.concurrency[0] == 1 else None
     batch = max(args.concurrency)
+    before = allocator_counters()
     batch_run = run_engine_requests(
         core,
         random_prompts(batch, 512, 0, shape["vocab_size"], seed=7),
         SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
     )
+    batch_alloc = counter_delta(before, allocator_counters())
+    before = allocator_counters()
     single_run = run_engine_requests(core, random_prompts(1, 512, 0, shape["vocab_size"], seed=9), greedy)
+    single_alloc = counter_delta(before, allocator_counters())
     floors = {
         f"batch{batch}": step_vs_floor(batch_run, weight_bytes, kv_tok, bw, batch),
         "single_stream": step_vs_floor(single_run, weight_bytes, kv_tok, bw, 1),
     }
+    # cudaMalloc/cudaFree or allocator retries inside the timed runs synchronize the device and
+    # stall the host between steps; they should all be zero in steady state.
+    floors[f"batch{batch}"]["allocator_events"] = batch_alloc
+    floors["single_stream"]["allocator_events"] = single_alloc
     best_hf = max((p.get("output_tok_s", 0.0) for p in peers.values()), default=0.0)
     return {
         "mode": "gpu",
@@ -247,6 +255,21 @@ def run_gpu(args) -> dict:
         "peers": peers,
         "ratio_vs_best_transformers": offline.output_tok_s / best_hf if best_hf else None,
     }
+
+
+_ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counters() -> dict[str, int]:
+    """torch's CUDA caching-allocator event counters (empty on the CPU)."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in _ALLOCATOR_COUNTERS}
+
+
+def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
 
 
 def step_vs_floor(run: EngineRun, weight_bytes: int, kv_tok: int, bw: float, batch: int) -> dict:
