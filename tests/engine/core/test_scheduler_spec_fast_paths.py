@@ -8,7 +8,7 @@ from pagedinfer.engine.config import SchedulerConfig
 from pagedinfer.engine.core.block_pool_ref import BlockManager
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.core.scheduler import Scheduler, may_stop_tokens
-from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens
+from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedinfer.engine.request import Request
 from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.stop_checker import check_token_stop
@@ -85,3 +85,76 @@ def test_drafts_past_the_budget_or_context_take_the_general_path():
     (item,) = out.sequences
     assert item.num_new_tokens == 3 and item.num_spec_tokens == 2  # budget-capped chunk of drafts
     assert item.token_ids == [7, 8, 9]
+
+
+def _schedule_with_drafts(
+    max_model_len: int, num_drafts: list[int], config: SchedulerConfig | None = None, general: bool = False
+) -> tuple[Scheduler, list[Request], SchedulerOutput]:
+    """Decoding sequences (i: 3 + i prompt tokens + 1 output) with drafts, scheduled under
+    `config` by the batched fast path or, with `general`, by the one-at-a-time general path
+    (`_num_new_tokens` / `_reserve_slots` / `_scheduled`)."""
+    s = _scheduler(max_model_len)
+    seqs = _decoding(s, len(num_drafts))  # the prompts fit the default budget in one step
+    if config is not None:
+        s.config = config
+    if general:
+        s._schedule_running_batched = lambda budget, scheduled, copies: None
+    for seq, k in zip(seqs, num_drafts, strict=True):
+        seq.spec_token_ids = [20 + j for j in range(k)]
+    return s, seqs, s.schedule()
+
+
+def _summary(s: Scheduler, out: SchedulerOutput) -> list[tuple]:
+    return [
+        (
+            x.seq_id,
+            x.num_computed_tokens,
+            x.token_ids,
+            x.num_spec_tokens,
+            x.sample is not None,
+            s.kv.num_tokens(x.seq_id),
+            s.get_sequence(x.seq_id).num_kv_tokens,
+        )
+        for x in out.sequences
+    ]
+
+
+def test_drafts_near_max_model_len_are_trimmed_as_by_the_general_path():
+    # Sequence i has 4 + i tokens (3 + i computed) and 4 drafts: with max_model_len 10 the first
+    # three's 1 + 4 inputs fit (the third's exactly: fast path), the last three's cross the context.
+    max_model_len, num_drafts = 10, [4] * 6
+    fast, seqs, out = _schedule_with_drafts(max_model_len, num_drafts)
+    general, _, general_out = _schedule_with_drafts(max_model_len, num_drafts, general=True)
+    assert _summary(fast, out) == _summary(general, general_out)
+    assert [x.num_spec_tokens for x in out.sequences] == [4, 4, 4, 3, 2, 1]
+    for x, seq in zip(out.sequences, seqs, strict=True):
+        assert x.num_computed_tokens + x.num_new_tokens <= max_model_len  # no KV past the context
+        assert x.token_ids == [7, *seq.spec_token_ids[: x.num_spec_tokens]]
+    # Every draft accepted: no sequence grows past max_model_len (those that reach it stop there).
+    sampled = [SampledTokens(x.seq_id, [*x.token_ids[1:], 6]) for x in out.sequences]
+    updates = fast.update(out, ModelRunnerOutput(sampled))
+    assert updates == general.update(general_out, ModelRunnerOutput(sampled))
+    assert [len(u.new_token_ids) for u in updates] == [5, 5, 4, 3, 2, 1]
+    assert [seq.num_tokens for seq in seqs] == [9] + [max_model_len] * 5
+    assert [u.is_finished for u in updates] == [False] + [True] * 5
+
+
+def test_fast_path_matches_the_general_path_at_the_context_limit_randomized():
+    rng = random.Random(1)
+    num_trimmed = 0
+    for _ in range(300):
+        max_model_len = rng.randint(9, 12)
+        num_drafts = [rng.randint(0, 6) for _ in range(rng.randint(1, min(6, max_model_len - 4)))]
+        config = SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=rng.randint(1, 40),
+            enable_chunked_prefill=rng.random() < 0.7,
+        )
+        fast, seqs, out = _schedule_with_drafts(max_model_len, num_drafts, config)
+        general, _, general_out = _schedule_with_drafts(max_model_len, num_drafts, config, general=True)
+        assert _summary(fast, out) == _summary(general, general_out), (max_model_len, config, num_drafts)
+        for x in out.sequences:
+            end = x.num_computed_tokens + x.num_new_tokens
+            assert end <= max_model_len  # no KV past the context
+            num_trimmed += end == max_model_len < seqs[x.seq_id].num_tokens_with_spec
+    assert num_trimmed > 100  # the context limit, not only the budget, trims scheduled drafts
