@@ -129,8 +129,9 @@ class AsyncEngine:
         return self.startup_phase == "ready"
 
     def add_death_listener(self, callback: Callable[[str], None]) -> None:
-        """`callback(reason)` once, on the engine thread, if the core dies (its process is gone):
-        every stream has then failed with EngineDeadError and new requests get it at once."""
+        """`callback(reason)` once, on the engine thread, if the engine dies (its core's process
+        is gone, or the engine thread failed): every stream has then failed with
+        EngineDeadError and new requests get it at once."""
         with self._cv:
             dead = self.dead_error
             if dead is None:
@@ -191,6 +192,9 @@ class AsyncEngine:
         self._set_phase("ready")
         try:
             self._loop(self._built.core)
+        except BaseException as exc:  # never end silently: clients would wait forever
+            logger.exception("engine thread failed")
+            self._die(f"engine thread failed: {type(exc).__name__}: {exc}")
         finally:
             close = getattr(self._built.core, "close", None)  # a core in another process
             if close is not None:
@@ -242,7 +246,8 @@ class AsyncEngine:
                 self._num_admitting -= 1
 
     def _die(self, reason: str) -> None:
-        """The core is gone: fail every stream and refuse new requests from now on."""
+        """The core is gone or the engine thread failed: fail every stream, refuse new requests
+        from now on and tell the death listeners (EngineHandle turns FAILED)."""
         with self._cv:
             if self.dead_error is not None:
                 return
@@ -271,13 +276,26 @@ class AsyncEngine:
             # at once), and a stream cleared without its error would wait forever.
             with self._cv:
                 streams, self._streams = self._streams, {}
-            for request_id in streams:
-                core.abort(request_id)
-            _post([(stream, dead) for stream in streams.values()])
+            _post([(stream, dead) for stream in streams.values()])  # first: abort may fail too
+            is_aborted = self._abort_quietly(core, streams)
             if isinstance(exc, EngineDeadError):  # the core's process is gone: nothing will recover
                 self._die(str(exc))
+            elif not is_aborted:  # the core's state is unknown: stepping it on could do anything
+                self._die(f"{dead}; aborting its requests failed too")
             return
         self._deliver(outputs)
+
+    @staticmethod
+    def _abort_quietly(core, request_ids) -> bool:
+        """Abort after a failed step; False if an abort raised (the core's state is then unknown)."""
+        ok = True
+        for request_id in request_ids:
+            try:
+                core.abort(request_id)
+            except Exception:
+                logger.exception("aborting %s after a failed step failed", request_id)
+                ok = False
+        return ok
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         ready = []
