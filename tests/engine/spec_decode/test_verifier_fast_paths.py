@@ -1,4 +1,7 @@
-"""The verifier's all-greedy host path against the general rejection-sampling path."""
+"""The verifier's all-greedy host path against the general rejection-sampling path.
+
+That path on the runner's half-precision logits (no fp32 upcast): test_greedy_verification_bf16.py.
+"""
 
 from __future__ import annotations
 
@@ -87,14 +90,3 @@ def test_group_arrays_pad_ragged_drafts():
     arrays = _GroupArrays.of(groups)
     assert arrays.draft_token_ids.tolist() == [[5, 6, 0], [0, 0, 0], [7, 8, 9]]
     assert arrays.index.tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
-
-
-def test_plain_greedy_verification_on_half_precision_logits_equals_fp32():
-    # The runner skips the LM head's fp32 upcast for plain greedy steps, speculative ones included.
-    gen = torch.Generator().manual_seed(11)
-    groups, rows, logits = _step(gen, [3, 0, 4, 2], SamplingParams(temperature=0.0))
-    logits = logits.to(torch.bfloat16)
-    meta = build_sampling_metadata(rows, VOCAB, torch.device("cpu"), [(2,)] * len(rows))
-    half = SpecVerifier(Sampler()).sample(logits, meta, groups)
-    full = SpecVerifier(Sampler()).sample(logits.float(), meta, groups)
-    assert [s.token_ids for s in half.sampled] == [s.token_ids for s in full.sampled]
