@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Any
 
 from pagedinfer.engine.config import EngineConfig
@@ -249,6 +250,8 @@ class RemoteCore:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={info.max_num_seqs}")
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0, arrival_time=None) -> None:
+        if self._gone is not None:
+            raise EngineDeadError(self._gone)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._num_adds_sent += 1  # before sending: num_waiting must never miss it
         self._send(("add", _Add(request_id, list(prompt_token_ids), params, priority, arrival)))
@@ -317,20 +320,19 @@ class RemoteCore:
         return messages
 
     def _read(self) -> None:
-        """The reader thread: everything the core sends goes to the queue at once."""
-        while True:
-            try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "step":
-                self._waiting_report = (msg[4], int(msg[3].get("num_waiting", 0)))
-            with self._cv:
-                self._received.append(msg)
-                self._cv.notify()
+        """The reader thread: everything the core sends goes to the queue at once. However it
+        ends, the core counts as gone after: step() must never wait for a message that cannot come."""
+        error = None
+        try:
+            self._receive()
+        except BaseException as exc:  # a message that does not unpickle, say: the pipe is useless
+            logger.exception("reading from the engine core process failed")
+            error = f"reading from the engine core process failed: {type(exc).__name__}: {exc}"
         if not self._closing:
+            if error is not None:  # alive, maybe, but unreachable: stop it rather than leave it
+                self._process.kill()
             self._process.join(5)  # reap it: its exit code says why
-        reason = f"the engine core process exited ({self._process.exitcode})"
+        reason = error or f"the engine core process exited ({self._process.exitcode})"
         with self._cv:
             self._gone = reason
             listeners, self._death_listeners = self._death_listeners, []
@@ -339,6 +341,23 @@ class RemoteCore:
             logger.error("%s", reason)
             for callback in listeners:
                 callback(reason)
+
+    def _receive(self) -> None:
+        """Queue messages until the pipe ends or the process exits with everything it sent read
+        (a process it started may hold the pipe open after it)."""
+        while True:
+            ready = wait([self._conn, self._process.sentinel])
+            if self._conn not in ready:
+                return
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "step":
+                self._waiting_report = (msg[4], int(msg[3].get("num_waiting", 0)))
+            with self._cv:
+                self._received.append(msg)
+                self._cv.notify()
 
     def stats(self) -> dict[str, float]:
         return self._stats

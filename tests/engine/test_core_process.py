@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import pickle
 import threading
 import time
 from types import SimpleNamespace
@@ -220,14 +222,17 @@ class _FakeCore:
 
 
 class _ThreadProcess:
-    """Stands in for the core's process: `_serve` on a thread, its pipe end closed at exit."""
+    """Stands in for the core's process: `_serve` on a thread, its pipe end closed at exit
+    (unless `close_pipe` is false: as if a process it started still held it), and a sentinel
+    that turns readable when it ends, as a process's does."""
 
-    def __init__(self, core, conn) -> None:
+    def __init__(self, core, conn, close_pipe: bool = True) -> None:
         self.exitcode = None
-        self._thread = threading.Thread(target=self._main, args=(core, conn), daemon=True)
+        self.sentinel, self._sentinel_end = os.pipe()
+        self._thread = threading.Thread(target=self._main, args=(core, conn, close_pipe), daemon=True)
         self._thread.start()
 
-    def _main(self, core, conn) -> None:
+    def _main(self, core, conn, close_pipe: bool) -> None:
         try:
             _serve(core, conn, [])
             self.exitcode = 0
@@ -235,7 +240,9 @@ class _ThreadProcess:
             self.exitcode = 1
             raise
         finally:
-            conn.close()
+            if close_pipe:
+                conn.close()
+            os.close(self._sentinel_end)
 
     def join(self, timeout=None) -> None:
         self._thread.join(timeout)
@@ -247,10 +254,10 @@ class _ThreadProcess:
         pass
 
 
-def remote_on_thread(core: _FakeCore) -> RemoteCore:
+def remote_on_thread(core: _FakeCore, close_pipe: bool = True) -> RemoteCore:
     server_conn, child_conn = multiprocessing.Pipe(duplex=True)
     info = CoreInfo(None, None, 8192, None, 100_000, 4, 8, core.stats())
-    return RemoteCore(_ThreadProcess(core, child_conn), server_conn, info)
+    return RemoteCore(_ThreadProcess(core, child_conn, close_pipe), server_conn, info)
 
 
 def test_burst_of_long_prompts_while_the_core_streams_never_deadlocks():
@@ -342,3 +349,71 @@ async def test_requests_over_the_waiting_limit_are_refused_before_streaming():
     assert core.num_adds == 3
     await engine.shutdown(0.0)
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _refuse_to_unpickle():
+    raise pickle.UnpicklingError("a corrupt message")
+
+
+class _Unreadable:
+    """Pickles fine; unpickling raises, as a corrupt or version-skewed message would."""
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
+class _PoisonCore(_FakeCore):
+    """From its second step on, its step messages cannot be read on the server side."""
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        if self.num_steps >= 2:
+            stats["poison"] = _Unreadable()
+        return stats
+
+
+async def test_unreadable_message_from_the_core_fails_pending_and_later_requests():
+    """The reader thread must not die quietly on a message it cannot read: step() would then
+    wait forever. The core counts as gone: streams fail, later requests fail fast."""
+    remote = remote_on_thread(_PoisonCore(delay=0.005))
+    engine = AsyncEngine.from_config(
+        config("unused"), lambda cfg, on_phase: RemoteBuilt(remote, None, None, 8192)
+    )
+    await engine.wait_ready()
+    reasons = []
+    engine.add_death_listener(reasons.append)
+    params = SamplingParams(max_tokens=50)
+    with pytest.raises(EngineDeadError, match="UnpicklingError: a corrupt message"):
+        await asyncio.wait_for(collect(engine, [1, 2], params), 10)
+    with pytest.raises(EngineDeadError, match="a corrupt message"):  # at once
+        await asyncio.wait_for(collect(engine, [1, 2], params), 1)
+    assert remote.is_dead and len(reasons) == 1
+    with pytest.raises(EngineDeadError):  # RemoteCore itself refuses too
+        remote.add_request("late", [1], params)
+    await asyncio.wait_for(engine.shutdown(1.0), 30)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the core's end
+def test_core_exiting_while_its_pipe_stays_open_is_seen_gone():
+    """A process the core started (a compile worker) may keep the pipe open after the core
+    exits: the reader must not wait for an end of file that never comes."""
+    core = _FakeCore(fail_at={1})
+    core.abort = lambda request_id: 1 / 0  # _serve raises after the failed step: the core exits
+    remote = remote_on_thread(core, close_pipe=False)
+    remote.add_request("a", [1], SamplingParams(max_tokens=5))
+    outcome = []
+    stepper = threading.Thread(target=lambda: outcome.append(_step_error(remote)), daemon=True)
+    stepper.start()
+    stepper.join(10)
+    assert outcome and isinstance(outcome[0], EngineDeadError), outcome
+    assert remote.is_dead and "exited (1)" in str(outcome[0])
+    remote.close()
+
+
+def _step_error(remote: RemoteCore) -> BaseException | None:
+    try:
+        while remote.has_unfinished():
+            remote.step()
+    except BaseException as exc:
+        return exc
+    return None
