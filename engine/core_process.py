@@ -143,14 +143,19 @@ def _serve(core, conn, step_stats: list[StepStats]) -> None:
                 outputs += core.step()
             except Exception as exc:  # like AsyncEngine in process: end the in-flight requests, go on
                 logger.exception("engine step failed; aborting in-flight requests")
+                _discard_finished(outputs, in_flight)  # ended before the step (aborts): not failed
                 failure = ("step_failed", f"{type(exc).__name__}: {exc}", _abort_all(core, in_flight))
-        for out in outputs:
-            if out.finished:
-                in_flight.discard(out.request_id)
+        _discard_finished(outputs, in_flight)
         conn.send(("step", outputs, step_stats[:], core.stats(), num_adds))
         if failure is not None:
             conn.send(failure)
         outputs, step_stats[:] = [], []
+
+
+def _discard_finished(outputs: list[RequestOutput], in_flight: set[str]) -> None:
+    for out in outputs:
+        if out.finished:
+            in_flight.discard(out.request_id)
 
 
 def _abort_all(core, in_flight: set[str]) -> list[str]:
@@ -296,6 +301,11 @@ class RemoteCore:
             raise EngineDeadError(gone)
         if messages[0][0] == "step_failed":
             _, message, aborted = messages[0]
+            if self._in_flight.isdisjoint(aborted):
+                # Its requests have all finished here: failing now would hit requests sent since,
+                # which the failed step never saw.
+                logger.warning("a step failure of no request still in flight, ignored: %s", message)
+                return []
             self._in_flight.difference_update(aborted)
             raise CoreStepError(message)
         outputs: list[RequestOutput] = []

@@ -20,6 +20,7 @@ from pagedinfer.engine.core_process import (
     CoreStepError,
     RemoteBuilt,
     RemoteCore,
+    _Add,
     _serve,
     build_remote_engine,
 )
@@ -417,3 +418,69 @@ def _step_error(remote: RemoteCore) -> BaseException | None:
     except BaseException as exc:
         return exc
     return None
+
+
+def test_step_failure_names_only_requests_still_in_flight():
+    """A request that ended before the failing step (aborted in the same round) is reported in
+    that step's outputs, not among the failure's aborted requests."""
+    core = _FakeCore(fail_at={1})
+    server_conn, child_conn = multiprocessing.Pipe(duplex=True)
+    for msg in (("add", _add("a")), ("add", _add("b")), ("abort", "a")):  # all read before the step
+        server_conn.send(msg)
+    process = _ThreadProcess(core, child_conn)
+    step = server_conn.recv()
+    assert step[0] == "step" and [(o.request_id, o.finished) for o in step[1]] == [("a", True)]
+    assert server_conn.recv() == ("step_failed", "RuntimeError: step exploded", ["b"])
+    server_conn.send(("stop",))
+    process.join(10)
+    assert process.exitcode == 0
+
+
+def _add(request_id: str) -> _Add:
+    return _Add(request_id, [1], SamplingParams(max_tokens=5), 0, 0.0)
+
+
+class _ScriptedProcess:
+    """The core's process when the test itself plays the core on `conn`: it ends on join."""
+
+    exitcode = 0
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self.sentinel, self._sentinel_end = os.pipe()
+
+    def join(self, timeout=None) -> None:
+        if not self._conn.closed:
+            self._conn.close()
+            os.close(self._sentinel_end)
+
+    def is_alive(self) -> bool:
+        return not self._conn.closed
+
+    def kill(self) -> None:
+        self.join()
+
+
+def _step_message(request_id: str, num_adds: int) -> tuple:
+    out = RequestOutput(request_id, [CompletionDelta(0, " t", [7], finish_reason=FinishReason.LENGTH)], True)
+    return ("step", [out], [], {"num_waiting": 0.0}, num_adds)
+
+
+def test_late_step_failure_of_finished_requests_spares_a_new_request():
+    """A step failure naming only requests that have finished here (as a core that counted its
+    aborted requests in sends) must not fail a request added since: the failed step never saw it."""
+    server_conn, core_conn = multiprocessing.Pipe(duplex=True)
+    remote = RemoteCore(
+        _ScriptedProcess(core_conn), server_conn, CoreInfo(None, None, 8192, None, 100, 4, 8, {})
+    )
+    remote.add_request("a", [1], SamplingParams(max_tokens=5))
+    core_conn.send(_step_message("a", 1))
+    core_conn.send(("step_failed", "RuntimeError: step exploded", ["a"]))
+    assert [o.request_id for o in remote.step()] == ["a"]
+    assert remote.has_unfinished()  # the failure is queued
+    remote.add_request("c", [1], SamplingParams(max_tokens=5))
+    assert remote.step() == []  # the stale failure, dropped
+    core_conn.send(_step_message("c", 2))
+    assert [o.request_id for o in remote.step()] == ["c"] and not remote.has_unfinished()
+    assert [core_conn.recv()[1].request_id for _ in range(2)] == ["a", "c"]
+    remote.close()
