@@ -184,6 +184,14 @@ class PyBlockManager {
     for (const auto& copy : copies) out.append(py::make_tuple(copy.src, copy.dst));
     return out;
   }
+  void set_last_tokens(py::handle seq_ids, py::handle token_ids) {
+    IntArray<int64_t> ids(seq_ids, "seq_ids");
+    IntArray<int32_t> tokens(token_ids, "token_ids");
+    if (ids.size() != tokens.size())
+      throw py::value_error("seq_ids and token_ids differ in length");
+    locked(ids.size() >= kBulkSequences,
+           [&](pi::BlockManager& c) { c.set_last_tokens(ids.data(), tokens.data(), ids.size()); });
+  }
   void mark_computed(py::handle seq_ids, py::handle num_computed) {
     IntArray<int64_t> ids(seq_ids, "seq_ids");
     IntArray<int32_t> nums(num_computed, "num_computed_tokens");
@@ -309,6 +317,8 @@ PYBIND11_MODULE(_native, m) {
             self.core_.free(id);
           },
           py::arg("seq_id"))
+      .def("set_last_tokens", &M::set_last_tokens, py::arg("seq_ids"), py::arg("token_ids"),
+           "Replace each sequence's last token (a placeholder appended before its id was known).")
       .def("mark_computed", &M::mark_computed, py::arg("seq_ids"), py::arg("num_computed_tokens"))
       .def(
           "can_allocate",

@@ -289,6 +289,36 @@ class BlockManager:
             start += n
         return copies
 
+    def set_last_tokens(
+        self, seq_ids: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray
+    ) -> None:
+        """Replace each sequence's last token (a placeholder appended before its id was known).
+
+        Its block must be exclusively owned and not yet prefix-cached; all or nothing."""
+        ids = _int_list(seq_ids, "seq_ids")
+        tokens = _int_list(token_ids, "token_ids")
+        if len(ids) != len(tokens):
+            raise ValueError("seq_ids and token_ids differ in length")
+        if len(set(ids)) != len(ids):
+            raise ValueError("a sequence id appears twice in one batch")
+        seqs = [self._get(i) for i in ids]
+        bs = self.block_size
+        for seq_id, seq in zip(ids, seqs, strict=True):
+            last = len(seq.tokens) - 1
+            if last < 0:
+                raise ValueError(f"sequence {seq_id} has no token to replace")
+            if last // bs < seq.num_hashed_blocks:
+                raise ValueError(f"sequence {seq_id}: its last token's block is already prefix-cached")
+            if self._refcount[seq.blocks[last // bs]] != 1:
+                raise ValueError(f"sequence {seq_id}: its last token's block is shared")
+        for seq, token in zip(seqs, tokens, strict=True):
+            last = len(seq.tokens) - 1
+            block = seq.blocks[last // bs]
+            if block in self._registrations:  # a truncated block: its content changes
+                self._unregister(block)
+            seq.tokens[last] = token
+            self._block_tokens[block][last % bs] = token
+
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._get(parent_id)
         if child_id in self._seqs:

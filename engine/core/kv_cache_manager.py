@@ -124,6 +124,12 @@ class KVCacheManager:
             return None
         return [(int(s), int(d)) for s, d in copies]
 
+    def set_last_tokens(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Give placeholder tokens appended ahead of their sampling (async scheduling) their ids."""
+        self._blocks.set_last_tokens(
+            np.asarray(seq_ids, dtype=np.int64), np.asarray(token_ids, dtype=np.int32)
+        )
+
     def blocks_needed_to_append(self, seq_id: int, num_tokens: int) -> int:
         return int(self._blocks.blocks_needed_to_append(seq_id, num_tokens))
 

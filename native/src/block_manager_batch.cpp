@@ -64,6 +64,30 @@ void BlockManager::cache_full_blocks(Sequence* seq, int64_t num_computed) {
   }
 }
 
+void BlockManager::set_last_tokens(const int64_t* seq_ids, const int32_t* tokens, int64_t batch) {
+  std::vector<Sequence*> seqs = distinct_sequences(seq_ids, batch);
+  for (int64_t i = 0; i < batch; ++i) {
+    const Sequence& seq = *seqs[i];
+    int64_t last = static_cast<int64_t>(seq.tokens.size()) - 1;
+    std::string name = "sequence " + std::to_string(seq_ids[i]);
+    if (last < 0) throw std::invalid_argument(name + " has no token to replace");
+    if (block_of(last) < seq.num_hashed_blocks) {
+      throw std::invalid_argument(name + ": its last token's block is already prefix-cached");
+    }
+    if (pool_.refcount(seq.blocks[block_of(last)]) != 1) {
+      throw std::invalid_argument(name + ": its last token's block is shared");
+    }
+  }
+  for (int64_t i = 0; i < batch; ++i) {
+    Sequence* seq = seqs[i];
+    int64_t last = static_cast<int64_t>(seq->tokens.size()) - 1;
+    seq->tokens[last] = tokens[i];
+    int32_t block = seq->blocks[block_of(last)];
+    if (cache_.is_registered(block)) cache_.erase(block);  // a truncated block, content changes
+    block_tokens_[static_cast<size_t>(block) * block_size_ + offset_in_block(last)] = tokens[i];
+  }
+}
+
 BatchArrays BlockManager::build_batch(const int64_t* seq_ids, const int32_t* num_computed,
                                       const int32_t* num_new, int64_t batch,
                                       int64_t max_blocks) const {

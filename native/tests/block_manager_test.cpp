@@ -120,6 +120,34 @@ TEST(BlockManager, TruncateThenAppendNeverServesStaleContent) {
   bm.check_invariants();
 }
 
+TEST(BlockManager, SetLastTokensReplacesPlaceholdersBeforeCaching) {
+  BlockManager bm(8, 4, true);
+  add(bm, 1, {1, 2, 3});
+  add(bm, 2, {5, 6, 7, 8, 9});
+  std::vector<int64_t> ids = {1, 2};
+  std::vector<int32_t> placeholders = {-1, -1};
+  std::vector<int32_t> counts = {1, 1};
+  bm.append_tokens_batch(ids.data(), counts.data(), 2, placeholders.data(), 2);
+  std::vector<int32_t> real = {4, 10};
+  bm.set_last_tokens(ids.data(), real.data(), 2);
+  EXPECT_EQ(bm.sequence(1).tokens.back(), 4);
+  EXPECT_EQ(bm.block_tokens(bm.sequence(1).blocks[0])[3], 4);
+  EXPECT_EQ(bm.block_tokens(bm.sequence(2).blocks[1])[1], 10);
+  computed(bm, 1, 4);  // the block is hashed with the real token: a later prompt reuses it
+  EXPECT_EQ(add(bm, 3, {1, 2, 3, 4, 0}), 4);
+  // Once hashed, or shared, the last token can no longer change; nothing changes on error.
+  std::vector<int64_t> hashed = {2, 1};
+  std::vector<int32_t> twice = {11, 12};
+  EXPECT_THROW(bm.set_last_tokens(hashed.data(), twice.data(), 2), std::invalid_argument);
+  EXPECT_EQ(bm.sequence(2).tokens.back(), 10);
+  bm.fork(2, 4);
+  std::vector<int64_t> shared = {4};
+  EXPECT_THROW(bm.set_last_tokens(shared.data(), twice.data(), 1), std::invalid_argument);
+  std::vector<int64_t> dup = {2, 2};
+  EXPECT_THROW(bm.set_last_tokens(dup.data(), twice.data(), 2), std::invalid_argument);
+  bm.check_invariants();
+}
+
 TEST(BlockManager, BuildBatch) {
   BlockManager bm(16, 4, true);
   add(bm, 1, iota(10));

@@ -97,6 +97,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.h.tokens)
     @rule(data=st.data())
+    def set_last_tokens(self, data) -> None:
+        """Placeholders resolved late (async scheduling): allowed only in an exclusive, unhashed
+        last block; both implementations accept or refuse the same calls."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.h.tokens)), min_size=1, max_size=3))
+        new = [data.draw(st.integers(0, 3)) for _ in ids]
+        args = (np.array(ids, dtype=np.int64), np.array(new, dtype=np.int32))
+        status, _ = self.h.call("set_last_tokens", *args)
+        if status == "ok":
+            assert len(set(ids)) == len(ids)
+            for seq_id, token in zip(ids, new, strict=True):
+                self.h.tokens[seq_id] = [*self.h.tokens[seq_id][:-1], token]
+
+    @precondition(lambda self: self.h.tokens)
+    @rule(data=st.data())
     def fork(self, data) -> None:
         parent = self._existing(data)
         child, self.next_id = self.next_id, self.next_id + 1

@@ -79,6 +79,10 @@ class BlockManager {
   std::vector<BlockCopy> append_tokens_batch(const int64_t* seq_ids, const int32_t* num_tokens,
                                              int64_t batch, const int32_t* token_ids,
                                              int64_t num_token_ids);
+  // Replaces the last token of each sequence (a placeholder appended before its id was known:
+  // asynchronous scheduling). Its block must be exclusively owned and not yet offered to the
+  // prefix cache. All or nothing; the ids must be distinct.
+  void set_last_tokens(const int64_t* seq_ids, const int32_t* tokens, int64_t batch);
   // Exact number of blocks append_tokens would take (new blocks plus a copy-on-write block).
   int64_t blocks_needed_to_append(int64_t seq_id, int64_t num_tokens) const;
   // The child shares every block of the parent (copy-on-write on the next divergent append).
