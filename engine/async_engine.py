@@ -238,12 +238,16 @@ class AsyncEngine:
 
     def _admit(self, core, new: _NewRequest) -> None:
         try:
-            core.add_request(new.request_id, new.prompt_token_ids, new.params, new.priority, new.arrival_time)
+            # It leaves _num_admitting as the core's num_waiting counts it, in one step under the
+            # lock generate() reads both under: seen twice, requests under the limit get refused.
+            # (add_request never blocks: EngineCore only books it, RemoteCore queues the send.)
+            with self._cv:
+                self._num_admitting -= 1
+                core.add_request(
+                    new.request_id, new.prompt_token_ids, new.params, new.priority, new.arrival_time
+                )
         except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
             self._fail(new.request_id, exc)
-        finally:
-            with self._cv:  # now counted by the core's num_waiting (or gone)
-                self._num_admitting -= 1
 
     def _die(self, reason: str) -> None:
         """The core is gone or the engine thread failed: fail every stream, refuse new requests

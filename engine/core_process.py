@@ -14,20 +14,23 @@ never delays a step. One duplex pipe (pickled messages) joins them:
 (validate, add_request, abort, has_unfinished, step, stats, add_step_listener) and `close`.
 A reader thread drains the pipe into a queue all the time, so the core never blocks on a full
 pipe while the server is busy sending it a burst of long prompts (both sides blocked in send()
-would deadlock); `step()` takes every step message waiting and merges them.
+would deadlock); `step()` takes every step message waiting and merges them. A writer thread
+sends what add_request and abort queue, so neither blocks on a full pipe: AsyncEngine calls
+add_request holding the lock its admission control reads under.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from pagedinfer.engine.config import EngineConfig
@@ -233,8 +236,11 @@ class RemoteCore:
         self._received: deque[tuple] = deque()  # messages from the core, oldest first
         self._gone: str | None = None  # why the core process is gone (None while it runs)
         self._closing = False
+        self._outbox: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()  # pickled, in order
         self._reader = threading.Thread(target=self._read, name="pagedinfer-core-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="pagedinfer-core-writer", daemon=True)
+        self._writer.start()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """EngineCore.validate's checks, from the limits the core reported at startup."""
@@ -258,17 +264,18 @@ class RemoteCore:
         if self._gone is not None:
             raise EngineDeadError(self._gone)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._num_adds_sent += 1  # before sending: num_waiting must never miss it
-        self._send(("add", _Add(request_id, list(prompt_token_ids), params, priority, arrival)))
+        msg = ForkingPickler.dumps(
+            ("add", _Add(request_id, list(prompt_token_ids), params, priority, arrival))
+        )
+        self._num_adds_sent += 1  # before the core can have it: num_waiting must never miss it
+        self._outbox.put(msg)
         self._in_flight.add(request_id)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        """Asks the core; the aborted request's final output comes with a later step."""
+        """Asks the core; the aborted request's final output comes with a later step. A dead core
+        is reported by the next step() (has_unfinished stays true until then)."""
         if request_id in self._in_flight:
-            # A dead core is reported by the next step() (has_unfinished stays true until then);
-            # raising here would end the engine thread with every stream still waiting.
-            with contextlib.suppress(EngineDeadError):
-                self._send(("abort", request_id))
+            self._outbox.put(ForkingPickler.dumps(("abort", request_id)))
         return []
 
     def has_unfinished(self) -> bool:
@@ -352,6 +359,18 @@ class RemoteCore:
             for callback in listeners:
                 callback(reason)
 
+    def _write(self) -> None:
+        """The writer thread: sends what add_request, abort and close queued, in order."""
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(msg)
+            except OSError:  # the core is gone: the reader sees the pipe end and says so
+                return
+            except BaseException:  # unreachable from now on: stop it, and the reader says so
+                logger.exception("writing to the engine core process failed")
+                self._process.kill()
+                return
+
     def _receive(self) -> None:
         """Queue messages until the pipe ends or the process exits with everything it sent read
         (a process it started may hold the pipe open after it)."""
@@ -378,20 +397,15 @@ class RemoteCore:
     def close(self) -> None:
         """Stop the core process (the AsyncEngine loop has ended: nothing is in flight)."""
         self._closing = True
-        with contextlib.suppress(OSError):  # already gone
-            self._conn.send(("stop",))
+        self._outbox.put(ForkingPickler.dumps(("stop",)))
+        self._outbox.put(None)  # the writer ends after it
         self._process.join(30)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
+        self._writer.join(5)  # sent, or the pipe broke when the core went
         self._reader.join(5)  # the core's end closed: the reader has seen EOF
         self._conn.close()
-
-    def _send(self, msg: tuple) -> None:
-        try:
-            self._conn.send(msg)
-        except OSError as exc:
-            raise EngineDeadError("the engine core process is gone") from exc
 
 
 def build_remote_engine(config: EngineConfig, on_phase: Callable[[str], None]) -> RemoteBuilt:

@@ -484,3 +484,68 @@ def test_late_step_failure_of_finished_requests_spares_a_new_request():
     assert [o.request_id for o in remote.step()] == ["c"] and not remote.has_unfinished()
     assert [core_conn.recv()[1].request_id for _ in range(2)] == ["a", "c"]
     remote.close()
+
+
+class _SlowSendConn:
+    """The server's pipe end where each send takes `delay` (the core busy in a step, the pipe full)."""
+
+    def __init__(self, conn, delay: float) -> None:
+        self._conn, self._delay = conn, delay
+
+    def send_bytes(self, buf) -> None:
+        time.sleep(self._delay)
+        self._conn.send_bytes(buf)
+
+    def send(self, obj) -> None:
+        time.sleep(self._delay)
+        self._conn.send(obj)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+def test_adds_and_aborts_never_wait_for_a_slow_pipe():
+    """AsyncEngine calls add_request under the lock generate() and abort() take on the event
+    loop: it must queue the message, not wait for the pipe."""
+    core = _FakeCore(max_running=0)
+    server_conn, child_conn = multiprocessing.Pipe(duplex=True)
+    info = CoreInfo(None, None, 8192, None, 100_000, 4, 8, core.stats())
+    remote = RemoteCore(_ThreadProcess(core, child_conn), _SlowSendConn(server_conn, 0.3), info)
+    started = time.monotonic()
+    remote.add_request("a", [1], SamplingParams(max_tokens=5))
+    remote.add_request("b", [1], SamplingParams(max_tokens=5))
+    remote.abort("a")
+    assert time.monotonic() - started < 0.2 and remote.scheduler.num_waiting == 2
+    deadline = time.monotonic() + 10
+    while not core.aborted:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert core.num_adds == 2 and core.aborted == ["a"] and list(core.left) == ["b"]  # in order
+    remote.close()
+
+
+async def test_request_being_added_counts_as_waiting_once():
+    """An add the core already counts but that has not returned yet must not still count as
+    admitting too: counted twice, requests under max_waiting_requests would be refused."""
+    core = _FakeCore(max_running=0)  # everything waits
+    remote = remote_on_thread(core)
+    add = remote.add_request
+
+    def lingering_add(*args) -> None:
+        add(*args)
+        time.sleep(0.2)  # counted by RemoteCore, not yet back in AsyncEngine
+
+    remote.add_request = lingering_add
+    built = RemoteBuilt(remote, None, None, 8192)
+    engine = AsyncEngine.from_config(config("unused", max_waiting_requests=3), lambda cfg, on_phase: built)
+    await engine.wait_ready()
+    tasks = []
+    for _ in range(3):  # each comes while the one before is still being added
+        tasks.append(asyncio.create_task(collect(engine, [1, 2], SamplingParams(max_tokens=5))))
+        await asyncio.sleep(0.05)
+    assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+    with pytest.raises(EngineOverloadedError):  # the limit still holds
+        await collect(engine, [1, 2], SamplingParams(max_tokens=5))
+    await until(lambda: core.num_adds == 3)
+    await engine.shutdown(0.0)
+    await asyncio.gather(*tasks, return_exceptions=True)
