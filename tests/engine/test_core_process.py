@@ -177,17 +177,18 @@ async def test_request_arriving_while_in_flight_ones_fail_gets_engine_dead():
 class _FakeCore:
     """EngineCore's surface without a model: each running request gets token 7 per step until
     its max_tokens; `fail_at` lists steps that raise; `max_running` leaves the rest waiting, and
-    adds beyond `max_waiting` waiting are refused, as EngineCore does."""
+    adds beyond `max_waiting` waiting are refused, as EngineCore does. It starts stepping once
+    it has `min_adds` requests (so a test's first step sees all of them)."""
 
-    def __init__(self, fail_at=(), max_running=1000, delay=0.0, max_waiting=10**6) -> None:
+    def __init__(self, fail_at=(), max_running=1000, delay=0.0, max_waiting=10**6, min_adds=0) -> None:
         self.left: dict[str, int] = {}
         self.fail_at, self.max_running, self.delay = set(fail_at), max_running, delay
-        self.max_waiting = max_waiting
+        self.max_waiting, self.min_adds = max_waiting, min_adds
         self.num_adds = self.num_steps = 0
         self.aborted: list[str] = []
 
     def has_unfinished(self) -> bool:
-        return bool(self.left)
+        return bool(self.left) and self.num_adds >= self.min_adds
 
     def add_request(self, request_id, prompt_token_ids, params, priority, arrival_time) -> None:
         self.num_adds += 1
@@ -287,7 +288,7 @@ def test_burst_of_long_prompts_while_the_core_streams_never_deadlocks():
 
 
 def test_failed_step_in_core_fails_in_flight_requests_and_keeps_serving():
-    core = _FakeCore(fail_at={2})
+    core = _FakeCore(fail_at={2}, min_adds=2)  # both in flight when step 2 fails
     remote = remote_on_thread(core)
     remote.add_request("a", [1], SamplingParams(max_tokens=5))
     remote.add_request("b", [1], SamplingParams(max_tokens=5))
