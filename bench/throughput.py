@@ -238,6 +238,18 @@ def run_gpu(args) -> dict:
     # stall the host between steps; they should all be zero in steady state.
     floors[f"batch{batch}"]["allocator_events"] = batch_alloc
     floors["single_stream"]["allocator_events"] = single_alloc
+    # The same two runs with synchronous steps (async scheduling off), side by side.
+    async_default = core.async_scheduling
+    core.async_scheduling = False
+    batch_sync = run_engine_requests(
+        core,
+        random_prompts(batch, 512, 0, shape["vocab_size"], seed=7),
+        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+    )
+    single_sync = run_engine_requests(core, random_prompts(1, 512, 0, shape["vocab_size"], seed=9), greedy)
+    core.async_scheduling = async_default
+    floors[f"batch{batch}_sync_steps"] = step_vs_floor(batch_sync, weight_bytes, kv_tok, bw, batch)
+    floors["single_stream_sync_steps"] = step_vs_floor(single_sync, weight_bytes, kv_tok, bw, 1)
     best_hf = max((p.get("output_tok_s", 0.0) for p in peers.values()), default=0.0)
     return {
         "mode": "gpu",
@@ -248,6 +260,8 @@ def run_gpu(args) -> dict:
         "copy_bandwidth_gbps": bw,
         "kv_bytes_per_token": kv_tok,
         "num_kv_blocks": core.scheduler.kv.num_blocks,
+        "async_scheduling": core.async_scheduling,
+        "num_lookahead_steps": core.num_lookahead_steps,
         "offline": offline.summary(),
         "concurrency_curve": curve,
         "single_stream_curve_point": single,

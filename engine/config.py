@@ -68,6 +68,9 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024  # beyond: RESOURCE_EXHAUSTED / HTTP 429
     aging_seconds: float = 30.0  # a waiting request gains one priority level per this much wait
     watermark_blocks_fraction: float = 0.01  # kept free at admission so running decodes can grow
+    # Plan and launch step N+1 while step N runs (core/lookahead.py). None: on for CUDA devices,
+    # off on the CPU (whose kernels run on the host thread, so there is nothing to overlap).
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)

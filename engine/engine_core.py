@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedinfer.engine.core.lookahead import plan_lookahead, resolve_lookahead
 from pagedinfer.engine.core.scheduler import Scheduler
 from pagedinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
@@ -44,6 +45,7 @@ class StepPhases:
     launch_sampling: float = 0.0  # LM head + sampler enqueue
     collect: float = 0.0  # waiting for the samples (GPU time left) + their host copy
     update: float = 0.0  # scheduler update + speculative after_step
+    lookahead: float = 0.0  # planning + launching the next step (async scheduling), overlaps this one
 
 
 @dataclass
@@ -81,8 +83,12 @@ class EngineCore:
         vocab_size: int | None = None,
         seed: int = 0,
         spec_decoder=None,
+        async_scheduling: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        self.async_scheduling = async_scheduling  # lookahead steps (core/lookahead.py)
+        self._inflight: tuple[SchedulerOutput, object] | None = None  # a launched lookahead step
+        self.num_lookahead_steps = 0
         self.runner = runner
         _freeze_startup_objects()
         self.spec_decoder = spec_decoder  # spec_decode.SpeculativeDecoder, or None
@@ -175,30 +181,53 @@ class EngineCore:
         return self.outputs.process([], aborted) if aborted else []
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._pending is not None
+        return self.scheduler.has_unfinished() or self._pending is not None or self._inflight is not None
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step_once()
+        except BaseException:
+            self._inflight = None  # a failed step's lookahead is not continued; callers abort
+            raise
+
+    def _step_once(self) -> list[RequestOutput]:
         """One iteration: schedule, launch the model, emit the previous step's outputs while the
         GPU runs, collect the samples, apply them.
 
         Outputs and step stats therefore trail the scheduler by one step (flushed at once when
         the engine goes idle); a stop string found then finishes its sequence before its next
         token is applied. Nothing that decides the next batch waits for them.
+
+        With async scheduling the step also plans and launches the next step (a lookahead, see
+        core/lookahead.py) before collecting this one; the next call starts from it, so the
+        device runs step after step while the host updates, schedules and stages in between.
         """
         clock = time.perf_counter
         start = clock()
-        sched = self.scheduler.schedule()
-        t_sched = clock()
-        forward = self.runner.launch_forward(sched)
-        t_forward = clock()
-        outputs = self._flush_pending()  # CPU work that overlaps the GPU's forward pass
-        t_outputs = clock()
-        pending = self.runner.launch_sampling(forward)
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            sched = self.scheduler.schedule()
+            t_sched = clock()
+            forward = self.runner.launch_forward(sched)
+            t_forward = clock()
+            outputs = self._flush_pending()  # CPU work that overlaps the GPU's forward pass
+            t_outputs = clock()
+            pending = self.runner.launch_sampling(forward)
+        else:  # launched by the previous call
+            sched, pending = inflight
+            t_sched = t_forward = start
+            outputs = self._flush_pending()
+            t_outputs = clock()
         t_sampling = clock()
+        if self.async_scheduling and pending is not None:
+            self._launch_lookahead(sched, pending)
+        t_lookahead = clock()
         result = self.runner.collect(pending)
         t_collect = clock()
         updates = self.scheduler.update(sched, result)
+        if self._inflight is not None:
+            resolve_lookahead(self.scheduler, self._inflight[0])
         if self.spec_decoder is not None:  # learn acceptance, draft the next step's tokens
             self.spec_decoder.after_step(sched, result, self.scheduler.running)
         self.last_step_phases = StepPhases(
@@ -206,15 +235,24 @@ class EngineCore:
             t_forward - t_sched,
             t_outputs - t_forward,
             t_sampling - t_outputs,
-            t_collect - t_sampling,
+            t_collect - t_lookahead,
             clock() - t_collect,
+            t_lookahead - t_sampling,
         )
         self._step += 1
         self._pending = _Pending(sched, result, updates, self.scheduler.take_finished(), self._snapshot())
         self._pending.snapshot.step_time_s = time.perf_counter() - start
-        if not self.scheduler.has_unfinished():
+        if not self.scheduler.has_unfinished():  # an in-flight lookahead only has dropped rows
             outputs += self._flush_pending()
         return outputs
+
+    def _launch_lookahead(self, sched: SchedulerOutput, pending) -> None:
+        """Plan step N+1 from the launched step N and enqueue it behind N on the device."""
+        nxt = plan_lookahead(self.scheduler, sched)
+        if nxt is not None:
+            self.num_lookahead_steps += 1
+            forward = self.runner.launch_forward(nxt, feed=pending)
+            self._inflight = (nxt, self.runner.launch_sampling(forward))
 
     def _flush_pending(self) -> list[RequestOutput]:
         """Outputs and step accounting of the last step: nothing here decides the next batch."""

@@ -45,6 +45,11 @@ class SamplingParams:
         self.validate()
 
     @property
+    def has_penalties(self) -> bool:
+        """Any of the three penalties, which read the sequence's token history."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 

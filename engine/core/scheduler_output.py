@@ -67,6 +67,9 @@ class SchedulerOutput:
     layout: BatchLayout | None  # None when nothing is scheduled
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst) blocks
     preempted_seq_ids: list[int] = field(default_factory=list)
+    # A lookahead step (core/lookahead.py): each sequence's one input is the token it sampled in
+    # the step before, fed on the device; `token_ids` hold placeholders until it is resolved.
+    feeds_previous: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:

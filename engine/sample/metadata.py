@@ -119,7 +119,7 @@ def _param_tensors(params: list[SamplingParams], vocab_size: int, device: torch.
     return _ParamTensors(
         meta,
         greedy,
-        any_penalty=any(_has_penalty(p) for p in params),
+        any_penalty=any(p.has_penalties for p in params),
         any_min_tokens=any(p.min_tokens > 0 for p in params),
     )
 
@@ -154,10 +154,6 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
-
-
-def _has_penalty(p) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _pad(lists: list[list[int]]) -> torch.Tensor:

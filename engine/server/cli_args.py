@@ -46,6 +46,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     eng.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens)
     eng.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    eng.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan and launch step N+1 while step N runs (default: on for CUDA, off on the CPU)",
+    )
     srv = p.add_argument_group("server")
     srv.add_argument(
         "--api-key", default=None, help="require `Authorization: Bearer KEY` (or env PAGEDINFER_API_KEY)"
@@ -92,6 +98,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         max_waiting_requests=args.max_waiting_requests,
+        async_scheduling=args.async_scheduling,
     )
     speculative = SpeculativeConfig(
         method=args.speculative_method,

@@ -50,21 +50,55 @@ class InputBatch:
         self.scratch_block = scratch_block
         pin = device.type == "cuda"
         max_tokens = max(max_num_tokens, max_num_seqs)
-
-        def pair(shape, dtype):
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return host, host.numpy(), torch.zeros(shape, dtype=dtype, device=device)
-
-        self.ids_host, self.ids_np, self.ids = pair(max_tokens, torch.int64)
-        self.pos_host, self.pos_np, self.pos = pair(max_tokens, torch.int64)
-        self.slots_host, self.slots_np, self.slots = pair(max_tokens, torch.int64)
         # Twice max_num_seqs sequence rows: verification graphs carry up to B pad sequences more.
-        self.bt_host, self.bt_np, self.block_tables = pair(
-            (2 * max_num_seqs, max_blocks_per_seq), torch.int32
+        shapes = {
+            "ids": (max_tokens, torch.int64),
+            "pos": (max_tokens, torch.int64),
+            "slots": (max_tokens, torch.int64),
+            "bt": ((2 * max_num_seqs, max_blocks_per_seq), torch.int32),
+            "lens": (2 * max_num_seqs, torch.int32),
+            "qsl": (2 * max_num_seqs + 1, torch.int32),
+            "li": (max_tokens, torch.int64),
+        }
+        # Two sets of pinned staging buffers, used in turn: with async scheduling a step is staged
+        # while the copies of the step before may still be queued behind the running one.
+        self._staging = [
+            {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
+            for _ in range(2)
+        ]
+        self._staging_index = 1
+        self._use_next_staging()
+        (
+            self.ids,
+            self.pos,
+            self.slots,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.logits_indices,
+        ) = (torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes.values())
+
+    def _use_next_staging(self) -> None:
+        self._staging_index ^= 1
+        host = self._staging[self._staging_index]
+        self.ids_host, self.pos_host, self.slots_host = host["ids"], host["pos"], host["slots"]
+        self.bt_host, self.lens_host, self.qsl_host, self.li_host = (
+            host["bt"],
+            host["lens"],
+            host["qsl"],
+            host["li"],
         )
-        self.lens_host, self.lens_np, self.seq_lens = pair(2 * max_num_seqs, torch.int32)
-        self.qsl_host, self.qsl_np, self.query_start_loc = pair(2 * max_num_seqs + 1, torch.int32)
-        self.li_host, self.li_np, self.logits_indices = pair(max_tokens, torch.int64)
+        self.ids_np, self.pos_np, self.slots_np = (
+            self.ids_host.numpy(),
+            self.pos_host.numpy(),
+            self.slots_host.numpy(),
+        )
+        self.bt_np, self.lens_np, self.qsl_np = (
+            self.bt_host.numpy(),
+            self.lens_host.numpy(),
+            self.qsl_host.numpy(),
+        )
+        self.li_np = self.li_host.numpy()
 
     def prepare(self, sched: SchedulerOutput, logits_rows: np.ndarray, graph=None) -> StepInputs:
         """Fill buffers for the step; `graph` (a cuda_graphs.GraphKey) pads to a captured shape."""
@@ -84,6 +118,7 @@ class InputBatch:
         count); decode graphs (q = 1) have B sequence rows, verification graphs 2B: enough pad
         sequences for any step of <= B sequences of 1..q tokens.
         """
+        self._use_next_staging()
         num_seqs = int(layout.context_lens.shape[0])
         num_tokens = int(layout.slot_mapping.shape[0])
         padded_seqs = graph.num_seq_rows if graph is not None else num_seqs

@@ -62,10 +62,6 @@ class Verifier(Protocol):
     def verify(self, sampled: list[int], groups: Sequence[VerifyGroup]) -> list[list[int]]: ...
 
 
-def _has_penalty(p) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 class PrefixMatchVerifier:
     """Accept drafts while they equal the token sampled at their position; then one more."""
 
@@ -103,6 +99,7 @@ class PendingStep:
     logits: torch.Tensor | None  # [N, V]
     sampled: SamplerOutput | None  # None: speculative rows, verified in collect()
     end: torch.cuda.Event | None = None  # after the last enqueued kernel; None: recorded in collect()
+    host_token_ids: torch.Tensor | None = None  # pinned copy of sampled.token_ids, valid after `end`
 
 
 class ModelRunner:
@@ -160,11 +157,15 @@ class ModelRunner:
         return self.launch_sampling(self.launch_forward(sched))
 
     @torch.inference_mode()
-    def launch_forward(self, sched: SchedulerOutput) -> LaunchedForward | None:
+    def launch_forward(
+        self, sched: SchedulerOutput, feed: PendingStep | None = None
+    ) -> LaunchedForward | None:
         """Enqueue the forward pass only; `launch_sampling()` then enqueues logits and sampling.
 
         The engine runs its CPU work (the previous step's outputs) between the two: that work
         then overlaps the forward even if enqueueing the LM head has to wait for the GPU.
+        A lookahead step (`sched.feeds_previous`) takes its input ids from `feed`, the launched
+        step before it, on the device: row i's sample is sequence i's next input.
         """
         if sched.is_empty:
             return None
@@ -174,6 +175,10 @@ class ModelRunner:
         logits_rows, rows, groups = self._sampling_plan(sched)
         key = self._graph_key(sched)
         inputs = self.batch.prepare(sched, logits_rows, key)
+        if sched.feeds_previous:
+            if feed is None or feed.sampled is None or len(feed.rows) != len(sched.sequences):
+                raise ValueError("a lookahead step needs the launched step it continues")
+            inputs.input_ids[: len(sched.sequences)].copy_(feed.sampled.token_ids, non_blocking=True)
         # Idle time is GPU time between one step's last kernel and the next step's forward: the
         # host work in between (update, schedule, prepare) is what the GPU waits for.
         start = self._gpu_event()
@@ -202,7 +207,12 @@ class ModelRunner:
         if speculative:
             return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect
         sampled = self.sampler(logits, meta)
-        return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event())
+        host_ids = None
+        if self.config.device.type == "cuda":
+            # Into pinned memory, ordered before the end event: collect() waits for this step's
+            # kernels only, not for a lookahead step enqueued behind them.
+            host_ids = sampled.token_ids.to("cpu", non_blocking=True)
+        return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event(), host_ids)
 
     @torch.inference_mode()
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
@@ -214,7 +224,13 @@ class ModelRunner:
         elif pending.sampled is None:
             result = self.spec_decoder.sample(pending.logits, pending.meta, pending.groups)
         else:
-            result = self._collect(pending.sampled, pending.rows, pending.groups, pending.meta.num_logprobs)
+            token_ids = pending.sampled.token_ids
+            if pending.host_token_ids is not None:
+                pending.end.synchronize()
+                token_ids = pending.host_token_ids
+            result = self._collect(
+                pending.sampled, token_ids.tolist(), pending.rows, pending.groups, pending.meta.num_logprobs
+            )
         self._gpu_mark_end(pending.start, pending.end)
         return result
 
@@ -274,7 +290,7 @@ class ModelRunner:
         firsts = np.cumsum(counts) - counts  # [B] each group's first row
         # Row j of group b is input ends_b - 1 - k_b + j, i.e. (ends_b - 1 - k_b - firsts_b) + its row.
         logits_rows = np.repeat(ends - 1 - ks - firsts, counts) + np.arange(int(counts.sum()))  # [N]
-        history = any(_has_penalty(seqs[b].sample.sampling_params) for b in sampling)
+        history = any(seqs[b].sample.sampling_params.has_penalties for b in sampling)
         rows: list[SamplingRow] = []
         groups: list[VerifyGroup] = []
         for b, first in zip(sampling, firsts.tolist(), strict=True):
@@ -304,9 +320,13 @@ class ModelRunner:
         return last, rows, [VerifyGroup(r.seq_id, i, []) for i, r in enumerate(rows)]
 
     def _collect(
-        self, out: SamplerOutput, rows: list[SamplingRow], groups: list[VerifyGroup], num_logprobs: list
+        self,
+        out: SamplerOutput,
+        sampled: list[int],
+        rows: list[SamplingRow],
+        groups: list[VerifyGroup],
+        num_logprobs: list,
     ) -> ModelRunnerOutput:
-        sampled = out.token_ids.tolist()  # the step's one device sync
         if out.logprobs is None and len(sampled) == len(groups):  # no drafts (one row per group)
             return ModelRunnerOutput(
                 [SampledTokens(g.seq_id, [t]) for g, t in zip(groups, sampled, strict=True)]

@@ -105,3 +105,23 @@ def test_speculative_verification_graphs_keep_greedy_output(tiny_llama_dir, spec
         assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
     kv = llm.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_async_scheduling_matches_synchronous_steps(tiny_llama_dir, graphs):
+    """Lookahead steps on the device (sampled ids fed on the GPU, pinned async host copies,
+    double-buffered staging) give the synchronous engine's greedy and seeded tokens."""
+    sync = make_llm(tiny_llama_dir, graphs=graphs, async_scheduling=False)
+    asyn = make_llm(tiny_llama_dir, graphs=graphs, async_scheduling=True)
+    assert asyn.core.async_scheduling and not sync.core.async_scheduling
+    ps = prompts()
+    params = [
+        SamplingParams(max_tokens=8 + 3 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    a = [o.token_ids for o in sync.generate(prompt_token_ids=ps, sampling_params=params)]
+    b = [o.token_ids for o in asyn.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert a == b
+    assert asyn.core.num_lookahead_steps >= 20
+    kv = asyn.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks

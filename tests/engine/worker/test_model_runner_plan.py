@@ -62,7 +62,7 @@ def test_collect_without_drafts_equals_the_verifier(runner):
     seqs = [_seq(1, 1, True), _seq(2, 3, False), _seq(3, 4, True, forks=2)]
     _, rows, groups = runner._sampling_plan(_sched(seqs))
     tokens = torch.tensor([5, 9, 11, 13])
-    result = runner._collect(SamplerOutput(tokens), rows, groups, [None] * len(rows))
+    result = runner._collect(SamplerOutput(tokens), tokens.tolist(), rows, groups, [None] * len(rows))
     expected = runner.verifier.verify(tokens.tolist(), groups)
     assert [(s.seq_id, s.token_ids) for s in result.sampled] == [
         (g.seq_id, t) for g, t in zip(groups, expected, strict=True)

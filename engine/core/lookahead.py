@@ -1,0 +1,107 @@
+"""Asynchronous scheduling: plan and launch step N+1 while step N still runs on the device.
+
+A lookahead step repeats step N's batch with every sequence one token further. The token each
+sequence samples at N is not on the host yet, so its KV slot is reserved under a placeholder id,
+the model runner feeds N's sampled ids to N+1 on the device, and `resolve_lookahead` writes the
+real ids into the KV manager once N's tokens have been applied (before that block can be
+prefix-cached). The host's per-step work (update, schedule, input staging) then overlaps the
+device's forward pass instead of sitting between two of them.
+
+A lookahead is planned only where the synchronous scheduler would decide exactly the same batch:
+every running sequence was in step N, sampled there, and continues with one plain decode token;
+nothing can be admitted or preempted; no drafts, forks, penalties (which read the output history
+on the host) or logprobs (their host copy would wait for N+1). A sequence that stops at N computes
+one token at N+1 that is discarded; its KV slot went back with its blocks, and the stream order
+puts N+1's write before any later owner's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedinfer.engine.core.scheduler_output import SamplingRow, ScheduledSequence, SchedulerOutput
+from pagedinfer.engine.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pagedinfer.engine.core.scheduler import Scheduler
+
+PLACEHOLDER_TOKEN_ID = 0  # a valid id: never fed to the model (the device feed replaces it)
+
+
+def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutput | None:
+    """Step N+1 for a launched step N (`prev`) whose tokens are not applied yet, or None."""
+    if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
+        return None
+    if len(prev.sequences) != len(scheduler.running) or not _nothing_to_admit(scheduler):
+        return None
+    by_seq_id = scheduler._by_seq_id
+    running = RequestStatus.RUNNING
+    max_len = scheduler.max_model_len
+    planned: list[ScheduledSequence] = []
+    seqs = []
+    for s in prev.sequences:
+        row = s.sample
+        if row is None or s.num_spec_tokens or s.fork_rows:
+            return None
+        seq = by_seq_id.get(s.seq_id)
+        if seq is None or seq.status is not running or seq.spec_token_ids or seq.pending_children:
+            return None
+        params = row.sampling_params
+        if params.logprobs is not None or params.has_penalties:
+            return None
+        position = s.num_computed_tokens + len(s.token_ids)  # where N's sampled token goes
+        if seq.num_kv_tokens != position or seq.num_computed_tokens != s.num_computed_tokens:
+            return None  # N's tokens already applied, or KV reserved beyond N's inputs
+        if position >= max_len:
+            return None
+        next_row = SamplingRow(
+            seq.seq_id,
+            params,
+            row.seed,
+            row.output_position + 1,
+            row.prompt_token_ids,
+            row.output_token_ids,
+        )
+        planned.append(
+            ScheduledSequence(
+                seq.seq_id, [PLACEHOLDER_TOKEN_ID], position, len(seq.prompt_token_ids), 0, next_row, ()
+            )
+        )
+        seqs.append(seq)
+    seq_ids = [s.seq_id for s in planned]
+    copies = scheduler.kv.append_batch(seq_ids, [PLACEHOLDER_TOKEN_ID] * len(seq_ids), [1] * len(seq_ids))
+    if copies is None:
+        return None  # out of blocks: the synchronous step decides whom to preempt
+    for seq in seqs:
+        seq.num_kv_tokens += 1
+    layout = scheduler.kv.build_batch(seq_ids, [s.num_computed_tokens for s in planned], [1] * len(seq_ids))
+    return SchedulerOutput(planned, layout, copies, [], feeds_previous=True)
+
+
+def resolve_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
+    """After step N's update: the placeholders of step N+1 become the tokens N sampled."""
+    by_seq_id = scheduler._by_seq_id
+    running = RequestStatus.RUNNING
+    seq_ids: list[int] = []
+    token_ids: list[int] = []
+    for s in lookahead.sequences:
+        seq = by_seq_id.get(s.seq_id)
+        if seq is None or seq.status is not running:
+            continue  # stopped or aborted at N: its N+1 result is dropped by update()
+        token = seq.output_token_ids[-1]
+        s.token_ids[0] = token  # the step's record of its inputs
+        seq_ids.append(s.seq_id)
+        token_ids.append(token)
+    if seq_ids:
+        scheduler.kv.set_last_tokens(seq_ids, token_ids)
+
+
+def _nothing_to_admit(scheduler: Scheduler) -> bool:
+    """The synchronous scheduler would admit or preempt nothing: no waiting request, or no free
+    seat and no waiting request of a higher base priority than a running one."""
+    waiting = scheduler.waiting
+    if not waiting:
+        return True
+    if scheduler._num_seats_taken() < scheduler.config.max_num_seqs:
+        return False
+    return max(r.priority for r in waiting) <= min(r.priority for r in scheduler.running)

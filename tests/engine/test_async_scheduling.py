@@ -1,0 +1,169 @@
+"""Async scheduling (engine/core/lookahead.py) on a tiny random Llama (CPU, forced on): every
+output, seed and KV block ends exactly as with synchronous steps, and lookahead steps really run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedinfer.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pagedinfer.engine.llm import LLM
+from pagedinfer.engine.sampling_params import SamplingParams
+
+
+def make_llm(folder, async_scheduling: bool, num_blocks=256, **sched) -> LLM:
+    config = EngineConfig(
+        model=str(folder),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_model_len=96, async_scheduling=async_scheduling, aging_seconds=0, **sched
+        ),
+        device=DeviceConfig(device="cpu", dtype="float32"),
+    )
+    return LLM(config)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, False), make_llm(tiny_llama_dir, True)
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randint(3, 30))] for _ in range(n)]
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling with different lengths, stop tokens and min_tokens (all
+    lookahead-eligible), plus rows that keep their steps synchronous (penalties, logprobs)."""
+    rng = random.Random(1)
+    out = []
+    for i in range(n):
+        kind = i % 6
+        kw = dict(max_tokens=rng.randint(1, 20), seed=100 + i)
+        if kind == 0:
+            out.append(SamplingParams(temperature=0.0, ignore_eos=True, **kw))
+        elif kind == 1:
+            out.append(SamplingParams(temperature=0.9, top_p=0.9, ignore_eos=True, **kw))
+        elif kind == 2:
+            out.append(
+                SamplingParams(temperature=1.0, top_k=20, stop_token_ids=[7, 11, 19], min_tokens=2, **kw)
+            )
+        elif kind == 3:
+            out.append(SamplingParams(temperature=0.0, stop_token_ids=[3, 5, 9], **kw))
+        elif kind == 4:
+            out.append(SamplingParams(temperature=0.8, presence_penalty=0.5, **kw))
+        else:
+            out.append(SamplingParams(temperature=0.0, logprobs=2, ignore_eos=True, **kw))
+    return out
+
+
+def run(llm, ps, params):
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
+    return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.completions] for o in outs]
+
+
+def assert_idle_and_free(llm):
+    core = llm.core
+    assert not core.has_unfinished()
+    kv = core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks  # free or prefix-cached: nothing leaked
+
+
+def test_greedy_and_seeded_outputs_are_identical(pair):
+    sync, asyn = pair
+    ps = prompts(8, seed=4)
+    params = [
+        SamplingParams(max_tokens=16 + i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+        for i in range(8)
+    ]
+    before = asyn.core.num_lookahead_steps
+    assert run(asyn, ps, params) == run(sync, ps, params)
+    # Most decode steps of this batch go ahead of their predecessor's tokens.
+    assert asyn.core.num_lookahead_steps - before >= 15
+    assert sync.core.num_lookahead_steps == 0
+    assert_idle_and_free(asyn)
+
+
+def test_mixed_workload_with_stops_and_synchronous_rows_is_identical(pair):
+    sync, asyn = pair
+    ps = prompts(12, seed=5)
+    params = mixed_params(12)
+    before = asyn.core.num_lookahead_steps
+    assert run(asyn, ps, params) == run(sync, ps, params)
+    assert asyn.core.num_lookahead_steps > before
+    assert_idle_and_free(asyn)
+
+
+def test_only_eligible_batches_look_ahead(pair):
+    _, asyn = pair
+    ps = prompts(4, seed=6)
+    before = asyn.core.num_lookahead_steps
+    asyn.generate(prompt_token_ids=ps, sampling_params=SamplingParams(max_tokens=10, presence_penalty=1.0))
+    asyn.generate(prompt_token_ids=ps, sampling_params=SamplingParams(max_tokens=10, logprobs=1))
+    assert asyn.core.num_lookahead_steps == before  # penalties and logprobs keep steps synchronous
+    assert_idle_and_free(asyn)
+
+
+def test_generated_blocks_are_prefix_cached_under_their_real_tokens(pair):
+    """Placeholders are resolved before hashing: a follow-up prompt made of the prompt and the
+    answer reuses the answer's blocks exactly as with synchronous steps."""
+    sync, asyn = pair
+    p = prompts(1, seed=7)[0]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cached = []
+    for llm in (sync, asyn):
+        (first,) = llm.generate(prompt_token_ids=[p], sampling_params=params)
+        follow = p + first.token_ids + [42, 43]
+        (second,) = llm.generate(prompt_token_ids=[follow], sampling_params=params)
+        cached.append((first.token_ids, second.usage.cached_prompt_tokens, second.token_ids))
+    assert cached[0] == cached[1]
+    assert cached[1][1] >= (len(p) + 24) // 4 * 4 - 4  # the answer's full blocks were hit
+
+
+def test_random_arrivals_aborts_and_preemptions_leave_no_block_behind(tiny_llama_dir):
+    """Requests arrive and are aborted between steps while a lookahead step is in flight; a
+    tight pool forces preemptions. Same tokens per surviving request as synchronous steps."""
+    results = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(
+            tiny_llama_dir, async_scheduling, num_blocks=40, max_num_batched_tokens=32, max_num_seqs=6
+        )
+        core, rng = llm.core, random.Random(3)
+        live: list[str] = []
+        aborted: set[str] = set()
+        tokens: dict[str, dict[int, list[int]]] = {}
+
+        def absorb(outs, tokens=tokens):
+            for out in outs:
+                for d in out.deltas:
+                    tokens.setdefault(out.request_id, {}).setdefault(d.index, []).extend(d.token_ids)
+
+        for step in range(160):
+            if step < 110 and rng.random() < 0.35:
+                rid = f"r{step}"
+                params = SamplingParams(
+                    n=rng.choice([1, 1, 1, 2]),
+                    max_tokens=rng.randint(1, 24),
+                    temperature=rng.choice([0.0, 0.9]),
+                    seed=step,
+                    ignore_eos=True,
+                )
+                core.add_request(rid, prompts(1, seed=step)[0], params, priority=rng.randint(0, 1))
+                live.append(rid)
+            if live and rng.random() < 0.08:
+                rid = live.pop(rng.randrange(len(live)))
+                absorb(core.abort(rid))
+                aborted.add(rid)
+            if core.has_unfinished():
+                absorb(core.step())
+        while core.has_unfinished():
+            absorb(core.step())
+        results[async_scheduling] = {rid: t for rid, t in tokens.items() if rid not in aborted}
+        kv = core.scheduler.kv
+        assert kv.num_free_blocks == kv.num_blocks
+        assert len(core.outputs) == 0
+        if async_scheduling:
+            assert core.num_lookahead_steps > 20
+    assert results[True] == results[False] and len(results[True]) > 20
