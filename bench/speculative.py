@@ -200,6 +200,11 @@ def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_token
         "base_ms_per_token": round(base_ms, 3),
         "spec_ms_per_token": round(fast_ms, 3),
         "base_decode_step_ms": round(base_step_ms, 3),
+        # Where a speculative step's time goes (host phases of EngineCore.step; the draft model
+        # and the n-gram proposer run in `update`, the target's verification in `collect`).
+        "spec_step_ms": step_median(fast, len(prompts)),
+        "spec_phases_ms": phase_medians(fast, len(prompts)),
+        "base_phases_ms": phase_medians(base, len(prompts)),
         "proposer_ms_per_step": round(timer.median_s * 1e3, 3),
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
@@ -211,6 +216,20 @@ def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_token
         "measured_speedup": round(measured, 3),
         "measured_over_theoretical": round(measured / theory, 3),
     }
+
+
+def _full_steps(run, batch: int) -> list[dict]:
+    return [s for s in run.steps if s["pure_decode"] and s["batch"] == batch]
+
+
+def step_median(run, batch: int) -> float | None:
+    steps = _full_steps(run, batch)
+    return round(statistics.median(s["ms"] for s in steps), 3) if steps else None
+
+
+def phase_medians(run, batch: int) -> dict[str, float]:
+    phases = [s["phases_ms"] for s in _full_steps(run, batch) if "phases_ms" in s]
+    return {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]} if phases else {}
 
 
 def run_workload(
