@@ -477,6 +477,10 @@ def test_late_step_failure_of_finished_requests_spares_a_new_request():
     remote.add_request("a", [1], SamplingParams(max_tokens=5))
     core_conn.send(_step_message("a", 1))
     core_conn.send(("step_failed", "RuntimeError: step exploded", ["a"]))
+    deadline = time.monotonic() + 10
+    while len(remote._received) < 2:  # both read: the failure comes after its step, separately
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert [o.request_id for o in remote.step()] == ["a"]
     assert remote.has_unfinished()  # the failure is queued
     remote.add_request("c", [1], SamplingParams(max_tokens=5))
