@@ -141,10 +141,18 @@ def test_dead_engine_process_fails_probes_and_grpc_health(server_proc_cls, tiny_
 
 def _engine_core_pid(server_pid: int) -> int:
     """The spawned engine core among the server's children (not multiprocessing's resource tracker)."""
-    tasks = Path(f"/proc/{server_pid}/task").iterdir()  # the engine thread spawned it
-    children = [pid for task in tasks for pid in (task / "children").read_text().split()]
+    children = []
+    for task in Path(f"/proc/{server_pid}/task").iterdir():  # the engine thread spawned it
+        children += _read_proc(task / "children").split()
     for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
+        if "spawn_main" in _read_proc(Path(f"/proc/{pid}/cmdline")):
             return int(pid)
     raise AssertionError(f"no engine core process among {children}")
+
+
+def _read_proc(path: Path) -> str:
+    """A /proc file's text, or "" when its thread or process ended during the scan."""
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
