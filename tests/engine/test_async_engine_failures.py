@@ -92,7 +92,7 @@ async def test_step_and_abort_failing_fail_every_stream_and_turn_the_handle_fail
     await until(lambda: engine.dead_error is not None, 10)
     with pytest.raises(EngineDeadError, match="aborting its requests failed"):  # at once
         await asyncio.wait_for(collect(engine, [1, 2], PARAMS), 1)
-    await until(lambda: handle.state is ServerState.FAILED, 10)
+    await until(lambda: handle.state is ServerState.FAILED and reasons, 10)  # listeners: after the streams
     assert deaths == [ServerState.FAILED] and not handle.is_alive and not handle.is_ready
     assert len(reasons) == 1 and "step exploded" in reasons[0]
     await asyncio.wait_for(handle.drain_and_shutdown(1.0), 10)
