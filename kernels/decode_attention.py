@@ -30,6 +30,8 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 128  # hard cap (merge tiles are [SPLITS_PAD, D_PAD]); the default rule stays <= 64
 DEFAULT_MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
+SMALL_GRID = 16  # fewer (sequence, KV head) programs than this: latency-bound (batch 1 at 8 KV heads)
+SMALL_GRID_MIN_CONTEXT = 2048  # block-table capacity from which the small-grid config pays (v5)
 
 
 # The fused merge's arrival counters: one zeroed buffer per device, kept for the process's life
@@ -51,6 +53,43 @@ class DecodeConfig:
     # ptxas register cap (Triton's maxnreg): ptxas gives the v3 tile ~210-255 registers a thread,
     # which allows only 2 programs of 4 warps per SM; a cap trades a few spills for occupancy.
     maxnreg: int | None = None
+    # Split bounds from the block table's capacity (a host-side bound) instead of each context
+    # length: a program's first block ids load without waiting for the context-length load. Off
+    # by default: with q_in_loop it gains 4% where tables fit the context (1x8192 16.3 -> 15.6
+    # us) but loses 16-60% where contexts are far shorter than the table (NOTES.md v5).
+    capacity_splits: bool = False
+    # Load the query tile inside the loop: the pipeliner fetches it with the first K/V tile
+    # instead of the program stalling on it before its first block-id load.
+    q_in_loop: bool = False
+    # default_num_splits: at least this many tokens a split
+    min_split_tokens: int = 64
+
+
+@triton.jit
+def _tile_block_ids(table_row, pos, stop, BLOCK_SIZE: tl.constexpr):
+    """int64 cache block of each token position in pos [BLOCK_N] (0 from stop on)."""
+    return tl.load(table_row + pos // BLOCK_SIZE, mask=pos < stop, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_tile(base, ids, pos, end, d, d_mask, stride_b, stride_s, BLOCK_SIZE: tl.constexpr):
+    """A K or V tile [BLOCK_N, D_PAD] of the token positions pos (zeros past end)."""
+    ptrs = base + ids[:, None] * stride_b + (pos % BLOCK_SIZE)[:, None] * stride_s + d[None, :]
+    return tl.load(ptrs, mask=(pos < end)[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _softmax_step(q, k, n_mask, m_i, l_i, qk_scale, EMPTY_TILES: tl.constexpr):
+    """Scores of q [GROUP_PAD, D_PAD] against a K tile [BLOCK_N, D_PAD], online softmax in base 2:
+    the tile's probabilities p, the rescale alpha of the old accumulator, the new max and sum.
+    EMPTY_TILES: a tile may hold no key while none came before (max -inf: subtract 0, not -inf)."""
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY_TILES else m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -78,6 +117,7 @@ def _decode_kernel(
     stride_oh,
     head_dim,
     num_splits,
+    capacity,  # block_tables' columns * BLOCK_SIZE (CAPACITY_SPLITS only)
     IS_SPLIT: tl.constexpr,
     MERGE_FUSED: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
@@ -89,6 +129,8 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
+    CAPACITY_SPLITS: tl.constexpr,
+    Q_IN_LOOP: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge kernel may be scheduled now; it waits for our results
@@ -96,9 +138,16 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, context_len)
+    if CAPACITY_SPLITS:  # the loop and the block-id loads need no context_len: it arrives meanwhile
+        per_split = tl.cdiv(tl.cdiv(capacity, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        stop = tl.minimum(start + per_split, capacity)  # tiles [start, stop); keys below end
+        end = tl.minimum(stop, context_len)
+    else:
+        per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, context_len)
+        stop = end
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -106,7 +155,9 @@ def _decode_kernel(
     g_mask = g < GROUP
     d_mask = d < head_dim
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    if not Q_IN_LOOP:
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [GROUP_PAD, D_PAD]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -114,24 +165,15 @@ def _decode_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, stop, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        n_mask = pos < end
-        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offsets = pos % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptrs = k_base + block_ids[:, None] * stride_kb + offsets[:, None] * stride_ks + d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_base + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vs + d[None, :]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        if Q_IN_LOOP:  # a load in the loop (not hoisted): pipelined with K/V, not waited for up front
+            q = tl.load(q_ptrs, mask=q_mask & (g * 0 + n0 < stop)[:, None], other=0.0)
+        ids = _tile_block_ids(table_row, pos, stop, BLOCK_SIZE)
+        k = _load_tile(k_base, ids, pos, end, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        p, alpha, m_i, l_i = _softmax_step(q, k, pos < end, m_i, l_i, qk_scale, CAPACITY_SPLITS)
+        v = _load_tile(v_base, ids, pos, end, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
 
     has_keys = l_i > 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -156,12 +198,19 @@ def _decode_kernel(
                 tl.store(counter, 0)  # zero again for the next call (and the next graph replay)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def default_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    device: torch.device,
+    min_tokens: int = MIN_TOKENS_PER_SPLIT,
+) -> int:
     """Split-K factor from the grid size alone (H200 sweeps in bench/NOTES.md):
 
     - >= 2 waves of programs without splitting: 1 (plain streaming is at the copy bandwidth);
     - tiny grids (< 64 programs, e.g. batch 1-7 at 8 KV heads) are latency-bound: aim at ~4
-      waves, at least 64 tokens a split (batch 1: 8 / 32 / 64 splits at 512 / 2048 / 8192);
+      waves, at least min_tokens a split (64; 32 in the small-grid config; batch 1: 8 / 64 / 64
+      splits at 512 / 2048 / 8192);
     - in between aim at ~2 waves (batch 16: 3 splits; 5 measured 25% slower, a partial wave).
 
     max_context is a host-side bound (the block table's width times block_size), so the choice
@@ -174,7 +223,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     waves = 4 if programs < 64 else 2
     splits = min(
         triton.cdiv(waves * num_sms, programs),
-        triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT),
+        triton.cdiv(max_context, min_tokens),
         DEFAULT_MAX_SPLITS,
     )
     return max(1, splits)
@@ -202,11 +251,20 @@ def _choose_merge(config: DecodeConfig, num_splits: int, num_programs: int, devi
     return merge
 
 
-def default_config(head_dim: int, device: torch.device) -> DecodeConfig:
+def default_config(
+    head_dim: int, device: torch.device, num_programs: int | None = None, max_context: int = 0
+) -> DecodeConfig:
+    """Tiles for head_dim; for num_programs (sequences x KV heads) < SMALL_GRID with a block table
+    of >= SMALL_GRID_MIN_CONTEXT tokens (max_context), the latency config of NOTES.md v5: 32-token
+    tiles, >= 32 tokens a split, query loaded in the loop (H200, head_dim 128: 1x2048 9.8 -> 8.4
+    us, 1x8192 16.3 -> 16.0 us; 1x512 keeps the 64-token tiles, where 32 measured 4% slower)."""
     if device.type != "cuda":  # interpreter: wide tiles mean fewer interpreted iterations
         return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    small = num_programs is not None and num_programs < SMALL_GRID
+    if small and head_dim == 128 and max_context >= SMALL_GRID_MIN_CONTEXT:
+        return DecodeConfig(block_n=32, q_in_loop=True, min_split_tokens=32)
     return DecodeConfig()
 
 
@@ -224,10 +282,12 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
-    config = config or default_config(head_dim, query.device)
+    max_context = block_tables.shape[1] * block_size
+    config = config or default_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
     if num_splits is None:
-        max_context = block_tables.shape[1] * block_size
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, query.device)
+        num_splits = default_num_splits(
+            num_seqs, num_kv_heads, max_context, query.device, config.min_split_tokens
+        )
     num_splits = min(num_splits, MAX_SPLITS)
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -270,6 +330,7 @@ def paged_decode_attention(
         out.stride(1),
         head_dim,
         num_splits,
+        block_tables.shape[1] * block_size,
         IS_SPLIT=num_splits > 1,
         MERGE_FUSED=merge is SplitMerge.FUSED,
         LAUNCH_DEPENDENTS=merge is SplitMerge.PDL,
@@ -281,6 +342,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         D_PAD=d_pad,
+        CAPACITY_SPLITS=config.capacity_splits,
+        Q_IN_LOOP=config.q_in_loop,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),

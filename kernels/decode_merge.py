@@ -79,11 +79,12 @@ def _merge_row(part_out_ptr, part_lse_ptr, o_base, row, head_dim, num_splits, SP
     p_mask = p < num_splits
     # .cg: read through L2, never a stale L1 line (partials come from other programs)
     lse = tl.load(part_lse_ptr + row * num_splits + p, mask=p_mask, other=float("-inf"), cache_modifier=".cg")
+    # both loads issued before the reduction (its barrier would hold the second one back a round trip)
+    parts_ptrs = part_out_ptr + (row * num_splits + p[:, None]) * D_PAD + d[None, :]
+    parts = tl.load(parts_ptrs, mask=p_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, D_PAD]
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty splits
-    parts_ptrs = part_out_ptr + (row * num_splits + p[:, None]) * D_PAD + d[None, :]
-    parts = tl.load(parts_ptrs, mask=p_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, D_PAD]
     denom = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(o_base + d, out.to(o_base.dtype.element_ty), mask=d < head_dim)

@@ -35,3 +35,15 @@ def test_fused_tile_stays_within_budget(group_p2, d_pad, expect):
     chunk = fused_split_chunk(group_p2, d_pad, 128)
     assert chunk == expect
     assert chunk == 2 or group_p2 * chunk * d_pad <= 8192
+
+
+def test_small_grid_config_choice():
+    """The v5 latency config only for < SMALL_GRID programs, head_dim 128 and tables of >= 2048
+    tokens (no CUDA call is made: the choice reads the device type alone)."""
+    cuda = torch.device("cuda")
+    small = da.default_config(128, cuda, 8, 8192)
+    assert (small.block_n, small.q_in_loop, small.min_split_tokens) == (32, True, 32)
+    assert not small.capacity_splits  # off by default: it loses on tables wider than the context
+    assert da.default_config(128, cuda, 8, 2048) == small
+    for args in ((128, cuda, 8, 1024), (128, cuda, 16, 8192), (64, cuda, 3, 8192), (128, cuda)):
+        assert da.default_config(*args) == da.DecodeConfig()

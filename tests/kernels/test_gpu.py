@@ -97,3 +97,43 @@ def test_split_merge_under_graph_replay(merge):
         )
         rel = float((out.double() - ref).norm() / ref.norm())
         assert rel <= TOLERANCE[torch.bfloat16], rel
+
+
+@pytest.mark.parametrize("capacity_splits", [True, False], ids=["capacity", "context"])
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("merge", ["pdl", "fused", "kernel"])
+def test_small_grid_config_with_wide_tables(block_n, merge, capacity_splits):
+    """The small-grid config (query loaded in the loop; splits placed by the table's capacity or by
+    each context) at batch 1 and 2, contexts far shorter than the table (empty splits with
+    capacity splits), default and odd split counts."""
+    from pagedinfer.kernels import decode_attention as da
+
+    gen = torch.Generator().manual_seed(block_n)
+    tables, num_blocks = make_block_tables([8192, 8192], 16, 0, gen)
+    cache_shape = (num_blocks, 16, 8, 128)
+    kc, vc = (torch.randn(cache_shape, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    tables = tables.cuda()
+    config = da.DecodeConfig(
+        block_n,
+        merge=da.SplitMerge(merge),
+        capacity_splits=capacity_splits,
+        q_in_loop=True,
+        min_split_tokens=32,
+    )
+    for lens, num_splits in (
+        ([8192], None),
+        ([300], None),
+        ([1], 64),
+        ([5000], 7),
+        ([8000, 17], None),
+        ([33, 0], 3),
+    ):
+        context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        query = torch.randn(len(lens), 32, 128, generator=gen).to("cuda", torch.bfloat16)
+        rows = tables[: len(lens)]
+        out = da.paged_decode_attention(query, kc, vc, rows, context_lens, 128**-0.5, num_splits, config)
+        ref = reference.paged_decode_attention(
+            query.double(), kc.double(), vc.double(), rows, context_lens, 128**-0.5
+        )
+        rel = float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+        assert rel <= TOLERANCE[torch.bfloat16], (lens, num_splits, rel)
