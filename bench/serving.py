@@ -48,6 +48,11 @@ class LevelResult:
     itl_p50: float
     itl_p99: float
     ratio_vs_offline: float | None = None
+    # CPU cores busy during the level (CPU seconds / wall seconds): the server's main process
+    # (HTTP/gRPC/asyncio), its children (the engine core process), and all client processes.
+    server_cpu_cores: float | None = None
+    engine_core_cpu_cores: float | None = None
+    client_cpu_cores: float | None = None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -325,16 +330,29 @@ async def sweep(servers: dict[str, Server], args, vocab: int) -> list[LevelResul
         for n in args.levels:
             ps = prompts(n * args.requests_per_client, args.prompt_len, vocab)
             rounds: dict[str, list] = {m: [] for m in modes}
+            cpu: dict[str, list[float]] = {m: [0.0, 0.0, 0.0] for m in modes}  # server, core, clients
             for r in range(args.rounds):
                 for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:  # rotate the order
                     if mode == "offline":
                         one = lambda k, ps=ps: offline_request(engine, params, ps[k])  # noqa: E731
                         level = await run_level(n, args.requests_per_client, one)
                     else:
+                        pid = servers[mode.partition("/")[2]].proc.pid
+                        before = server_cpu(pid)
                         level = await pool.run_level(mode, n, args.requests_per_client, ps)
+                        after = server_cpu(pid)
+                        cpu[mode][0] += after[0] - before[0]
+                        cpu[mode][1] += after[1] - before[1]
+                        cpu[mode][2] += pool.last_cpu_s
                     rounds[mode].append(level)
             for mode in modes:
                 out.append(summarize_rounds(mode, n, rounds[mode]))
+                if mode != "offline":
+                    wall = sum(w for _, w in rounds[mode])
+                    res = out[-1]
+                    res.server_cpu_cores, res.engine_core_cpu_cores, res.client_cpu_cores = (
+                        round(c / wall, 3) for c in cpu[mode]
+                    )
                 print(_fmt(out[-1]), flush=True)
     finally:
         pool.close()
@@ -345,6 +363,33 @@ async def sweep(servers: dict[str, Server], args, vocab: int) -> list[LevelResul
         if r.mode != "offline" and r.concurrency in offline:
             r.ratio_vs_offline = r.tokens_per_second / offline[r.concurrency]
     return out
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # stat fields 14 and 15
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue  # a thread that ended during the scan
+    return kids
+
+
+def server_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of a server process and of its direct children (the engine core)."""
+    return _cpu_seconds(pid), sum(_cpu_seconds(k) for k in _children(pid))
 
 
 def summarize_rounds(mode: str, n: int, rounds: list[tuple[list[RequestResult], float]]) -> LevelResult:
@@ -359,6 +404,11 @@ def _fmt(r: LevelResult) -> str:
     return (
         f"{r.mode:14s} N={r.concurrency:<4d} reqs={r.num_requests:<4d} tok/s={r.tokens_per_second:8.2f} "
         f"TTFT p50/p99={r.ttft_p50 * 1e3:8.1f}/{r.ttft_p99 * 1e3:8.1f} ms ITL p50/p99={r.itl_p50 * 1e3:7.1f}/{r.itl_p99 * 1e3:7.1f} ms{ratio}"
+        + (
+            f" cpu cores server/core/clients={r.server_cpu_cores:.2f}/{r.engine_core_cpu_cores:.2f}/{r.client_cpu_cores:.2f}"
+            if r.server_cpu_cores is not None
+            else ""
+        )
     )
 
 

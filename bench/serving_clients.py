@@ -142,8 +142,11 @@ def _init_worker(ports: dict[str, tuple[int, int]], max_tokens: int, max_clients
 
 
 def _run_clients(mode: str, jobs: list[list[list[int]]], start_at: float):
+    """(results, start, end, CPU seconds this worker spent on them)."""
     assert _WORKER is not None
-    return _WORKER.loop.run_until_complete(_WORKER.clients(mode, jobs, start_at))
+    cpu = time.process_time()
+    results, start, end = _WORKER.loop.run_until_complete(_WORKER.clients(mode, jobs, start_at))
+    return results, start, end, time.process_time() - cpu
 
 
 def _warm(mode: str, prompt_ids: list[int], hold: float) -> int:
@@ -160,6 +163,7 @@ class ClientPool:
     def __init__(self, num_procs: int, ports: dict[str, tuple[int, int]], max_tokens: int, max_clients: int):
         """ports: server label ("" for the base server) -> (HTTP port, gRPC port)."""
         self.num_procs = num_procs
+        self.last_cpu_s = 0.0
         self._pool = ProcessPoolExecutor(
             num_procs,
             mp_context=multiprocessing.get_context("spawn"),
@@ -185,8 +189,9 @@ class ClientPool:
         parts = await asyncio.gather(
             *(loop.run_in_executor(self._pool, _run_clients, mode, jobs, start_at) for jobs in per_worker)
         )
-        results = [r for rs, _, _ in parts for r in rs]
-        return results, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+        results = [r for rs, _, _, _ in parts for r in rs]
+        self.last_cpu_s = sum(cpu for _, _, _, cpu in parts)  # all client workers of this level
+        return results, max(end for _, _, end, _ in parts) - min(start for _, start, _, _ in parts)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
