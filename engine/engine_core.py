@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedinfer.engine.core.lookahead import plan_lookahead, resolve_lookahead
+from pagedinfer.engine.core.lookahead import drop_lookahead, plan_lookahead, resolve_lookahead
 from pagedinfer.engine.core.scheduler import Scheduler
 from pagedinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
@@ -188,7 +188,9 @@ class EngineCore:
         try:
             return self._step_once()
         except BaseException:
-            self._inflight = None  # a failed step's lookahead is not continued; callers abort
+            if self._inflight is not None:  # not continued: its KV slots go back
+                inflight, self._inflight = self._inflight, None
+                drop_lookahead(self.scheduler, inflight[0])
             raise
 
     def _step_once(self) -> list[RequestOutput]:
@@ -248,6 +250,8 @@ class EngineCore:
 
     def _launch_lookahead(self, sched: SchedulerOutput, pending) -> None:
         """Plan step N+1 from the launched step N and enqueue it behind N on the device."""
+        if self.spec_decoder is not None:  # drafts are proposed after update(): no lookahead
+            return
         nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:
             self.num_lookahead_steps += 1

@@ -7,12 +7,14 @@ real ids into the KV manager once N's tokens have been applied (before that bloc
 prefix-cached). The host's per-step work (update, schedule, input staging) then overlaps the
 device's forward pass instead of sitting between two of them.
 
-A lookahead is planned only where the synchronous scheduler would decide exactly the same batch:
-every running sequence was in step N, sampled there, and continues with one plain decode token;
-nothing can be admitted or preempted; no drafts, forks, penalties (which read the output history
-on the host) or logprobs (their host copy would wait for N+1). A sequence that stops at N computes
-one token at N+1 that is discarded; its KV slot went back with its blocks, and the stream order
-puts N+1's write before any later owner's.
+A lookahead is planned only where the synchronous scheduler would decide the same batch (in N's
+row order): every running sequence was in step N, sampled there, and continues with one plain
+decode token; nothing can be admitted or preempted; no drafts, forks, penalties (which read the
+output history on the host) or logprobs (their host copy would wait for N+1). A sequence certain
+to finish at N (max_tokens or the context length reached) gets no row; when every one does there
+is no lookahead. One that stops at N on a sampled token (EOS, stop ids) computes one token at N+1
+that is discarded; its KV slot went back with its blocks, and the stream order puts N+1's write
+before any later owner's.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     running = RequestStatus.RUNNING
     max_len = scheduler.max_model_len
     planned: list[ScheduledSequence] = []
+    feed_rows: list[int] = []  # the row of N's samples each planned sequence takes
     seqs = []
-    for s in prev.sequences:
+    for i, s in enumerate(prev.sequences):
         row = s.sample
         if row is None or s.num_spec_tokens or s.fork_rows:
             return None
@@ -52,8 +55,9 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
         position = s.num_computed_tokens + len(s.token_ids)  # where N's sampled token goes
         if seq.num_kv_tokens != position or seq.num_computed_tokens != s.num_computed_tokens:
             return None  # N's tokens already applied, or KV reserved beyond N's inputs
-        if position >= max_len:
-            return None
+        max_tokens = params.max_tokens
+        if position + 1 >= max_len or (max_tokens is not None and row.output_position + 1 >= max_tokens):
+            continue  # finishes at N for certain: no row, no KV slot
         next_row = SamplingRow(
             seq.seq_id,
             params,
@@ -68,6 +72,9 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
             )
         )
         seqs.append(seq)
+        feed_rows.append(i)
+    if not planned or (len(planned) < len(prev.sequences) and scheduler.waiting):
+        return None  # nothing continues, or a freed seat lets the synchronous step admit
     seq_ids = [s.seq_id for s in planned]
     copies = scheduler.kv.append_batch(seq_ids, [PLACEHOLDER_TOKEN_ID] * len(seq_ids), [1] * len(seq_ids))
     if copies is None:
@@ -75,7 +82,8 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     for seq in seqs:
         seq.num_kv_tokens += 1
     layout = scheduler.kv.build_batch(seq_ids, [s.num_computed_tokens for s in planned], [1] * len(seq_ids))
-    return SchedulerOutput(planned, layout, copies, [], feeds_previous=True)
+    rows = None if len(feed_rows) == len(prev.sequences) else feed_rows
+    return SchedulerOutput(planned, layout, copies, [], feeds_previous=True, feed_rows=rows)
 
 
 def resolve_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
@@ -94,6 +102,26 @@ def resolve_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
         token_ids.append(token)
     if seq_ids:
         scheduler.kv.set_last_tokens(seq_ids, token_ids)
+
+
+def drop_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
+    """A launched lookahead that will never be collected (its step or the one before failed):
+    give back its KV slots so the synchronous scheduler starts from N's state, and owe its
+    copy-on-write copies again (re-copying a shared block's prefix is idempotent) in case they
+    never ran."""
+    by_seq_id = scheduler._by_seq_id
+    running = RequestStatus.RUNNING
+    kv = scheduler.kv
+    copies: list[tuple[int, int]] = []
+    owned: set[int] = set()  # blocks of the sequences kept: only their copies are owed again
+    for s in lookahead.sequences:
+        seq = by_seq_id.get(s.seq_id)
+        if seq is None or seq.status is not running or seq.num_kv_tokens <= s.num_computed_tokens:
+            continue  # finished (its blocks are gone) or already given back
+        copies += kv.truncate(s.seq_id, s.num_computed_tokens)
+        seq.num_kv_tokens = s.num_computed_tokens
+        owned.update(kv.block_table(s.seq_id))
+    scheduler._pending_copies += [c for c in lookahead.block_copies if c[1] in owned] + copies
 
 
 def _nothing_to_admit(scheduler: Scheduler) -> bool:

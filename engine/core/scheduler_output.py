@@ -70,6 +70,7 @@ class SchedulerOutput:
     # A lookahead step (core/lookahead.py): each sequence's one input is the token it sampled in
     # the step before, fed on the device; `token_ids` hold placeholders until it is resolved.
     feeds_previous: bool = False
+    feed_rows: list[int] | None = None  # the row of that step's samples each sequence takes; None: i
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -176,9 +176,7 @@ class ModelRunner:
         key = self._graph_key(sched)
         inputs = self.batch.prepare(sched, logits_rows, key)
         if sched.feeds_previous:
-            if feed is None or feed.sampled is None or len(feed.rows) != len(sched.sequences):
-                raise ValueError("a lookahead step needs the launched step it continues")
-            inputs.input_ids[: len(sched.sequences)].copy_(feed.sampled.token_ids, non_blocking=True)
+            self._feed_previous(sched, feed, inputs.input_ids)
         # Idle time is GPU time between one step's last kernel and the next step's forward: the
         # host work in between (update, schedule, prepare) is what the GPU waits for.
         start = self._gpu_event()
@@ -187,6 +185,21 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         return LaunchedForward(start, rows, groups, hidden, inputs.attn_metadata.logits_indices)
+
+    def _feed_previous(
+        self, sched: SchedulerOutput, feed: PendingStep | None, input_ids: torch.Tensor
+    ) -> None:
+        """A lookahead's inputs are the launched step's samples, copied on the device."""
+        n = len(sched.sequences)
+        if feed is None or feed.sampled is None:
+            raise ValueError("a lookahead step needs the launched step it continues")
+        sampled = feed.sampled.token_ids
+        if sched.feed_rows is not None:  # rows that finish in that step take no input
+            index = torch.tensor(sched.feed_rows, dtype=torch.int64, pin_memory=sampled.is_cuda)
+            sampled = sampled.index_select(0, index.to(sampled.device, non_blocking=True))
+        if sampled.shape[0] != n:
+            raise ValueError(f"a lookahead of {n} sequences fed {sampled.shape[0]} samples")
+        input_ids[:n].copy_(sampled, non_blocking=True)
 
     @torch.inference_mode()
     def launch_sampling(self, fwd: LaunchedForward | None) -> PendingStep | None:

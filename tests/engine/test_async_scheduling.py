@@ -3,6 +3,7 @@ output, seed and KV block ends exactly as with synchronous steps, and lookahead 
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -167,3 +168,78 @@ def test_random_arrivals_aborts_and_preemptions_leave_no_block_behind(tiny_llama
         if async_scheduling:
             assert core.num_lookahead_steps > 20
     assert results[True] == results[False] and len(results[True]) > 20
+
+
+def test_a_failed_step_gives_back_its_lookahead_slots(tiny_llama_dir):
+    """A step that fails after its lookahead was launched: the placeholder's KV slot is given
+    back, so a caller that keeps stepping caches the block under the real tokens and gets the
+    synchronous engine's output."""
+    outs = {}
+    for asyn in (False, True):
+        llm = make_llm(tiny_llama_dir, asyn)
+        core = llm.core
+        core.add_request(
+            "a", [10, 20, 30, 40, 50, 60], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        )
+        real_collect, calls = core.runner.collect, [0]
+
+        def flaky(pending, real_collect=real_collect, calls=calls):
+            calls[0] += 1
+            if calls[0] == 3:  # a lookahead (launched in this call) is in flight by now
+                raise RuntimeError("transient device failure")
+            return real_collect(pending)
+
+        core.runner.collect = flaky
+        core.step()
+        (seq,) = core.scheduler.running
+        while core.has_unfinished():
+            with contextlib.suppress(RuntimeError):
+                core.step()
+        seq_tokens = list(seq.output_token_ids)
+        # The generated blocks are now prefix-cached: a prompt that shares them must hit them,
+        # and continue exactly as the engine that never cached a placeholder.
+        probe = [10, 20, 30, 40, 50, 60] + seq_tokens[:6] + [77]
+        (o,) = llm.generate(
+            prompt_token_ids=[probe],
+            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        )
+        outs[asyn] = (seq_tokens, o.usage.cached_prompt_tokens, o.completions[0].token_ids)
+        assert_idle_and_free(llm)
+    assert outs[True] == outs[False]
+    assert outs[True][1] == 12  # three full blocks of 4 came from the prefix cache
+
+
+def test_no_lookahead_slot_for_a_sequence_that_finishes_by_length(tiny_llama_dir):
+    """Rows that reach max_tokens at step N take no lookahead slot: with the pool exhausted, the
+    synchronous engine keeps a prefix-cached block that a placeholder would have evicted."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    p1, a = list(range(10, 18)), list(range(40, 48))  # two full blocks each
+    cached = {}
+    for asyn in (False, True):
+        llm = make_llm(tiny_llama_dir, asyn, num_blocks=5)
+        llm.generate(prompt_token_ids=[p1], sampling_params=one)
+        llm.generate(prompt_token_ids=[a], sampling_params=one)  # its sample would need a 3rd block
+        (q,) = llm.generate(prompt_token_ids=[p1 + [99]], sampling_params=one)
+        cached[asyn] = q.usage.cached_prompt_tokens
+    assert cached[True] == cached[False] == 8
+
+
+def test_a_batch_that_ends_by_length_runs_no_dead_step(tiny_llama_dir):
+    """When every row finishes at N by max_tokens, no step N+1 is launched; a batch where only
+    some do keeps looking ahead with the others (rows mapped from N's samples)."""
+    ps = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]
+    steps, results = {}, {}
+    for asyn in (False, True):
+        llm = make_llm(tiny_llama_dir, asyn)
+        core = llm.core
+        s0 = core._step
+        results[asyn] = run(llm, ps, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        steps[asyn] = core._step - s0
+        staggered = [SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+        l0 = core.num_lookahead_steps
+        results[asyn] += run(llm, ps, staggered)
+        if asyn:
+            assert core.num_lookahead_steps - l0 >= 8  # lookahead continued past the early finishers
+        assert_idle_and_free(llm)
+    assert steps[True] == steps[False]
+    assert results[True] == results[False]
