@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedinfer.engine.config import ModelConfig
@@ -23,6 +22,7 @@ from pagedinfer.engine.models.layers.mlp import SwiGLUMLP
 from pagedinfer.engine.models.layers.rms_norm import RMSNorm
 from pagedinfer.engine.models.layers.rotary import RotaryEmbedding
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
+from pagedinfer.kernels.linear_ops import linear
 
 # Checkpoint names that carry no weights of ours (old HF checkpoints saved the rope table).
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         batches (engine.sample.sampler.is_plain_greedy), whose argmax is the same either way.
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)  # [N, vocab] in the model dtype
+        logits = linear(hidden, weight)  # [N, vocab] in the model dtype
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.kernels import fused_ops, ops
+from pagedinfer.kernels.linear_ops import linear
 
 
 class PagedAttention(nn.Module):
@@ -41,13 +42,14 @@ class PagedAttention(nn.Module):
         # x [T, hidden]; rope (cos, sin) [T, D/2]; caches [num_blocks, block_size, KVH, D]
         num_tokens = x.shape[0]
         key_cache, value_cache = kv_cache
-        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        backend = attn_metadata.backend
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias, backend)  # [T, (H + 2 KVH) D]
         # Rotates q and k; the new K/V go into the cache first, attention then reads only the cache.
         q = fused_ops.rotary_cache_write(
             qkv, *rope, key_cache, value_cache, attn_metadata.slot_mapping, backend=attn_metadata.backend
         )  # [T, H, D]
         out = self._attend(q, key_cache, value_cache, attn_metadata)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        return linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, None, backend)  # [T, hidden]
 
     def _attend(self, q, key_cache, value_cache, md: AttentionMetadata) -> torch.Tensor:
         if md.is_pure_decode:

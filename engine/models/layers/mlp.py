@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedinfer.kernels import fused_ops
+from pagedinfer.kernels.linear_ops import linear
 
 
 class SwiGLUMLP(nn.Module):
@@ -18,6 +19,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        gate_up = linear(x, self.gate_up_proj.weight, None, backend)  # [T, 2 * I]
         # silu(gate) * up in one pass (Triton on CUDA, the PyTorch reference on the CPU).
-        return self.down_proj(fused_ops.silu_mul(gate_up, backend=backend))  # [T, hidden]
+        return linear(
+            fused_ops.silu_mul(gate_up, backend=backend), self.down_proj.weight, None, backend
+        )  # [T, hidden]

@@ -1,0 +1,199 @@
+"""Small-batch linear layers (decode GEMV): torch's GEMM (cuBLAS) vs kernels/gemv.py, side by side.
+
+At batch 1 a decode step of the 8B shape reads ~15 GB of weights through 129 linear layers; the
+floor is those bytes over the device-to-device copy bandwidth measured in the same run. For each
+layer shape of Llama-3-8B (qkv, o, gate_up, down, lm_head) and row counts M, the script times one
+CUDA graph that runs the layer over 32 distinct weight copies (cold L2, as in a real step), for
+torch's `F.linear` and a sweep of Triton configs; then the whole step's chain of linear layers
+with torch and with the best Triton config per shape. Prints GB/s, the fraction of copy bandwidth
+and the torch / Triton ratio; writes gemv.json (+ gemv.png).
+
+    python bench/gemv.py --out OUTDIR [--rows 1,2,4,8] [--rep-ms 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
+
+from pagedinfer.kernels.gemv import GemvConfig, gemv  # noqa: E402
+
+HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
+SHAPES = {  # name: (N, K, copies in the chain)
+    "qkv": (6144, HIDDEN, LAYERS),
+    "o": (HIDDEN, HIDDEN, LAYERS),
+    "gate_up": (2 * INTER, HIDDEN, LAYERS),
+    "down": (HIDDEN, INTER, LAYERS),
+    "lm_head": (VOCAB, HIDDEN, 1),
+}
+CONFIGS = [
+    GemvConfig("reduce", 8, 512, 4, 4),
+    GemvConfig("reduce", 16, 512, 4, 4),
+    GemvConfig("reduce", 16, 256, 4, 4),
+    GemvConfig("reduce", 32, 256, 4, 4),
+    GemvConfig("reduce", 16, 1024, 8, 3),
+    GemvConfig("reduce", 32, 512, 8, 3),
+    GemvConfig("reduce", 16, 512, 4, 6),
+    GemvConfig("reduce", 8, 1024, 4, 3),
+    GemvConfig("dot", 32, 128, 4, 4),
+    GemvConfig("dot", 64, 128, 4, 4),
+    GemvConfig("dot", 32, 256, 4, 3),
+    GemvConfig("dot", 64, 256, 4, 3),
+    GemvConfig("dot", 128, 128, 4, 4),
+    GemvConfig("dot", 16, 256, 4, 4),
+    GemvConfig("dot", 32, 128, 4, 6),
+    GemvConfig("dot", 64, 64, 4, 6),
+]
+
+
+def name_of(config: GemvConfig) -> str:
+    c = config
+    return f"{c.variant}/{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+
+
+def time_layer(fn, weights, x, rep_ms) -> float:
+    """ms per call over the distinct weight copies (one graph)."""
+    return _bench_graph([lambda w=w: fn(x, w) for w in weights], rep_ms)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, args.dtype)
+    rows = [int(r) for r in args.rows.split(",")]
+    torch.manual_seed(0)
+    copy_gbps = measure_copy_bandwidth(args.rep_ms)
+    print(f"copy bandwidth {copy_gbps:,.0f} GB/s ({torch.cuda.get_device_name()})")
+    weights = {}
+    for shape, (n, k, copies) in SHAPES.items():
+        weights[shape] = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    results: dict = {
+        "benchmark": "gemv",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "copy_gbps": copy_gbps,
+        "layers": [],
+        "chain": [],
+    }
+    best: dict[tuple[str, int], tuple[float, GemvConfig]] = {}
+    for shape, (n, k, _copies) in SHAPES.items():
+        layer_bytes = n * k * weights[shape][0].element_size()
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = F.linear(x, weights[shape][0])
+            torch_ms = time_layer(F.linear, weights[shape], x, args.rep_ms)
+            row = {"shape": shape, "n": n, "k": k, "m": m, "bytes": layer_bytes, "torch_us": torch_ms * 1e3}
+            row["torch_frac_copy"] = layer_bytes / (torch_ms * 1e-3) / 1e9 / copy_gbps
+            row["configs"] = {}
+            for config in CONFIGS:
+                if config.variant == "reduce" and m > 2:
+                    continue
+                out = gemv(x, weights[shape][0], None, config)
+                err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                ms = time_layer(lambda a, w, c=config: gemv(a, w, None, c), weights[shape], x, args.rep_ms)
+                row["configs"][name_of(config)] = {"us": ms * 1e3, "rel_err": err}
+                if err < 1e-2 and ms < best.get((shape, m), (float("inf"), None))[0]:
+                    best[(shape, m)] = (ms, config)
+            ms, config = best[(shape, m)]
+            row["best"] = name_of(config)
+            row["best_us"] = ms * 1e3
+            row["best_frac_copy"] = layer_bytes / (ms * 1e-3) / 1e9 / copy_gbps
+            row["torch_over_best"] = torch_ms / ms
+            results["layers"].append(row)
+            print(
+                f"{shape:8s} M={m:2d} {n}x{k}: torch {torch_ms * 1e3:7.1f} us ({row['torch_frac_copy']:.2f} of copy)"
+                f"  best {row['best']} {ms * 1e3:7.1f} us ({row['best_frac_copy']:.2f})  torch/best {row['torch_over_best']:.2f}x",
+                flush=True,
+            )
+    # The whole step's chain of linear layers, in layer order, one graph each way.
+    for m in rows:
+        x_h = torch.randn(m, HIDDEN, device="cuda", dtype=dtype)
+        x_i = torch.randn(m, INTER, device="cuda", dtype=dtype)
+        total_bytes = sum(n * k * c * 2 for n, k, c in SHAPES.values())
+
+        def chain(linear, x_h=x_h, x_i=x_i):
+            for layer in range(LAYERS):
+                for shape in ("qkv", "o", "gate_up"):
+                    linear(shape, x_h, weights[shape][layer])
+                linear("down", x_i, weights["down"][layer])
+            linear("lm_head", x_h, weights["lm_head"][0])
+
+        def with_torch(shape, a, w):
+            return F.linear(a, w)
+
+        def with_best(shape, a, w, m=m):
+            return gemv(a, w, None, best[(shape, m)][1])
+
+        t = {}
+        for label, fn in (("torch", with_torch), ("triton", with_best)):
+            t[label] = _bench_graph([lambda fn=fn: chain(fn)], args.rep_ms)
+        floor_ms = total_bytes / (copy_gbps * 1e9) * 1e3
+        entry = {
+            "m": m,
+            "bytes": total_bytes,
+            "floor_ms": floor_ms,
+            "torch_ms": t["torch"],
+            "triton_ms": t["triton"],
+            "torch_over_floor": t["torch"] / floor_ms,
+            "triton_over_floor": t["triton"] / floor_ms,
+            "torch_over_triton": t["torch"] / t["triton"],
+        }
+        results["chain"].append(entry)
+        print(
+            f"chain M={m}: {total_bytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms | torch {t['torch']:.3f} ms "
+            f"({entry['torch_over_floor']:.2f}x floor) | triton {t['triton']:.3f} ms ({entry['triton_over_floor']:.2f}x) "
+            f"| torch/triton {entry['torch_over_triton']:.3f}x",
+            flush=True,
+        )
+    results["best_configs"] = {f"{s}/{m}": name_of(c) for (s, m), (_, c) in best.items()}
+    results["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (args.out / "gemv.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "gemv.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['shape']}\nM={r['m']}" for r in results["layers"]]
+    xs = range(len(labels))
+    ax.bar(
+        [i - 0.2 for i in xs], [r["torch_frac_copy"] for r in results["layers"]], 0.4, label="torch F.linear"
+    )
+    ax.bar(
+        [i + 0.2 for i in xs],
+        [r["best_frac_copy"] for r in results["layers"]],
+        0.4,
+        label="Triton gemv (best)",
+    )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(list(xs), labels, fontsize=6)
+    ax.set_ylabel("weight bytes / time, fraction of copy bw")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Triton kernels: y = x @ W.T (+ b) for a few rows of x, streaming W once (decode at small batch).
+
+At one to a few tokens a step every linear layer is a matrix-vector product: its time is the
+weight bytes over the memory bandwidth. The GEMM library's kernel for this shape keeps too few
+bytes in flight per SM on the H200 (bench/gemv.py measures it against the device-to-device copy
+bandwidth). These kernels give each program BLOCK_N weight rows and walk K in BLOCK_K tiles that
+the compiler pipelines (num_stages copies in flight); there is no split-K, so there is no second
+kernel and no atomics, and the result is deterministic.
+
+Two variants of the same contract:
+- `reduce`: multiply-and-accumulate into a [BLOCK_N, BLOCK_K] fp32 tile, one reduction at the end
+  (CUDA cores; a row of x at a time, for 1-2 rows);
+- `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
+  cores; rows of x padded to 16), for up to 16 rows.
+Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
+the sum differs from torch's GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    variant: str  # "reduce" or "dot"
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _gemv_reduce_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] or a dummy
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    for m in range(0, M):
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_mask = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + m * stride_xm + k, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_dot_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_mask = k < K
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
+        acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+MAX_ROWS = 16  # the dot variant's padded row tile
+
+# Defaults until the H200 sweep (bench/gemv.py) picks per-shape configs.
+DEFAULT_CONFIG = GemvConfig("reduce", block_n=16, block_k=512, num_warps=4, num_stages=4)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] (M <= 16), weight [N, K] with contiguous rows, bias [N] or None -> [M, N]."""
+    config = config or DEFAULT_CONFIG
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(
+            f"gemv needs x [M, K] and weight [N, K] with unit column strides, got {x.shape} and {weight.shape}"
+        )
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}")
+    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return y
+    grid = (triton.cdiv(n, config.block_n),)
+    common = dict(
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    args = (
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        num_rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+    )
+    if config.variant == "dot":
+        _gemv_dot_kernel[grid](*args, BLOCK_M=MAX_ROWS, **common)
+    else:
+        _gemv_reduce_kernel[grid](*args, **common)
+    return y
+
+
+def config_for(num_rows: int, n: int, k: int) -> GemvConfig:
+    """The kernel config for a shape (the H200 sweep of bench/gemv.py picks them)."""
+    return DEFAULT_CONFIG if num_rows <= 2 else DOT_CONFIG
+
+
+DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=128, num_warps=4, num_stages=4)

@@ -1,0 +1,78 @@
+"""Test cases of the small-batch linear kernels (kernels/gemv.py), shared by the CPU interpreter
+test and the GPU test: every variant on random (not zero) data, odd N and K (masked edge tiles),
+with and without bias, against an fp64 `F.linear` of the same inputs.
+
+`python -m pagedinfer.kernels.gemv_testing OUT.json` runs INTERPRETER_CASES on the CPU (set
+TRITON_INTERPRET=1 in its environment) and writes one result per case and dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.kernels.gemv import GemvConfig, gemv
+
+# Relative error of the output (norm) allowed per dtype: the one rounding of the result, and a
+# different summation order than the reference's.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@dataclass(frozen=True)
+class GemvCase:
+    name: str
+    config: GemvConfig
+    rows: int
+    n: int
+    k: int
+    bias: bool = False
+    row_pad: int = 0  # extra columns between rows of x and of the weight (strided rows)
+
+
+INTERPRETER_CASES = [
+    GemvCase("reduce_1row", GemvConfig("reduce", 16, 32, 4, 2), 1, 40, 96),
+    GemvCase("reduce_edges_bias", GemvConfig("reduce", 16, 32, 4, 2), 2, 37, 75, bias=True),
+    GemvCase("reduce_strided", GemvConfig("reduce", 8, 64, 4, 2), 1, 24, 130, row_pad=6),
+    GemvCase("dot_1row", GemvConfig("dot", 16, 32, 4, 2), 1, 48, 64),
+    GemvCase("dot_edges_bias", GemvConfig("dot", 32, 32, 4, 2), 5, 45, 70, bias=True),
+    GemvCase("dot_16rows", GemvConfig("dot", 16, 64, 4, 2), 16, 32, 128, row_pad=2),
+]
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+def run_case(case: GemvCase, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(case.rows, case.k + case.row_pad, generator=gen)[:, : case.k]
+    w = torch.randn(case.n, case.k + case.row_pad, generator=gen)[:, : case.k] / case.k**0.5
+    b = torch.randn(case.n, generator=gen) if case.bias else None
+    x, w = x.to(device, dtype), w.to(device, dtype)
+    b = b.to(device, dtype) if b is not None else None
+    out = gemv(x, w, b, case.config)
+    ref = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+    rel = float((out.double() - ref).norm() / ref.norm())
+    return {
+        "name": case.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rel_err": rel,
+        "shape_ok": tuple(out.shape) == (case.rows, case.n) and out.dtype == dtype,
+        "ok": rel <= TOLERANCE[dtype] and tuple(out.shape) == (case.rows, case.n) and out.dtype == dtype,
+    }
+
+
+def main(argv: list[str]) -> int:
+    results = [
+        run_case(case, dtype, "cpu", seed=i)
+        for i, case in enumerate(INTERPRETER_CASES)
+        for dtype in INTERPRETER_DTYPES
+    ]
+    with open(argv[0], "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

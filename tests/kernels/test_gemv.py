@@ -1,0 +1,59 @@
+"""Small-batch linear kernels (kernels/gemv.py): every variant under TRITON_INTERPRET=1 on the CPU
+against fp64 F.linear, the dispatch of kernels/linear_ops.py, and (marked gpu) the engine's
+configs at the 8B layer shapes in bf16/fp16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.kernels import linear_ops
+from pagedinfer.kernels.gemv_testing import INTERPRETER_CASES, INTERPRETER_DTYPES, TOLERANCE
+from tests.kernels.interpreter_run import run_interpreter_cases
+
+pytest.importorskip("triton")
+
+CASE_IDS = [(c.name, str(d).removeprefix("torch.")) for c in INTERPRETER_CASES for d in INTERPRETER_DTYPES]
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    return run_interpreter_cases("pagedinfer.kernels.gemv_testing", tmp_path_factory.mktemp("gemv_interp"))
+
+
+@pytest.mark.parametrize("name,dtype", CASE_IDS, ids=[f"{n}-{d}" for n, d in CASE_IDS])
+def test_gemv_matches_fp64_linear(interpreter_results, name, dtype):
+    result = interpreter_results[(name, dtype)]
+    assert result["ok"], result
+
+
+def test_dispatch_keeps_torch_where_the_kernel_does_not_apply():
+    x, w = torch.randn(1, 32), torch.randn(8, 32)
+    assert not linear_ops.uses_gemv(x, w)  # CPU: the reference backend
+    assert not linear_ops.uses_gemv(x, w, "triton")  # fp32 runs torch's GEMM
+    half = x.half(), w.half()
+    assert linear_ops.uses_gemv(*half, "triton") == linear_ops.GEMV_ENABLED
+    rows = torch.randn(linear_ops.GEMV_MAX_ROWS + 1, 32).half()
+    assert not linear_ops.uses_gemv(rows, half[1], "triton")  # a prefill or a large batch
+    assert not linear_ops.uses_gemv(half[0], w.half().t().contiguous().t(), "triton")  # strided K
+    torch.testing.assert_close(linear_ops.linear(x, w), F.linear(x, w), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize(
+    "n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1000, 576)]
+)
+def test_engine_configs_at_full_shapes(dtype, rows, n, k):
+    from pagedinfer.kernels import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + n)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=gen)
+    w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype, generator=gen)
+    out = gemv.gemv(x, w, bias, gemv.config_for(rows, n, k))
+    ref = F.linear(x.double(), w.double(), bias.double())
+    assert float((out.double() - ref).norm() / ref.norm()) <= TOLERANCE[dtype]
