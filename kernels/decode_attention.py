@@ -6,6 +6,8 @@ from the paged cache through the block table (no gather copy), and keeps an onli
 fp32. Each KV tile is loaded once for the whole group. With num_splits > 1 every split writes a
 normalized partial output and its log-sum-exp (base 2); kernels/decode_merge.py merges them
 (a second kernel, the same launched as a programmatic dependent, or the last split in-kernel).
+With DecodeConfig.pdl_prologue the kernel itself is a programmatic dependent of the kernel before
+it (see there for what it may read before gdc_wait).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pagedinfer.kernels.decode_merge import (
     SplitMerge,
     fused_split_chunk,
     gdc_launch_dependents,
+    gdc_wait,
     merge_group,
     pdl_supported,
     reduce_splits,
@@ -63,6 +66,13 @@ class DecodeConfig:
     q_in_loop: bool = False
     # default_num_splits: at least this many tokens a split
     min_split_tokens: int = 64
+    # Launch as a programmatic dependent of the kernel before (where pdl_supported): each program
+    # loads its context length, first tile's block ids and K/V before gdc_wait, so launch and
+    # first DRAM round trip overlap that kernel's tail. Contract: the kernels it may overlap write
+    # at most the query and the K/V at each sequence's last position (context_len - 1), as the
+    # engine's rotary + cache write does; all else it reads must be older. Elsewhere (CPU
+    # interpreter, pre-Hopper) the same peeled first tile runs without the wait, in stream order.
+    pdl_prologue: bool = False
 
 
 @triton.jit
@@ -72,10 +82,10 @@ def _tile_block_ids(table_row, pos, stop, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(base, ids, pos, end, d, d_mask, stride_b, stride_s, BLOCK_SIZE: tl.constexpr):
-    """A K or V tile [BLOCK_N, D_PAD] of the token positions pos (zeros past end)."""
+def _load_tile(base, ids, pos, n_mask, d, d_mask, stride_b, stride_s, BLOCK_SIZE: tl.constexpr):
+    """A K or V tile [BLOCK_N, D_PAD] of the token positions pos (zero rows where not n_mask)."""
     ptrs = base + ids[:, None] * stride_b + (pos % BLOCK_SIZE)[:, None] * stride_s + d[None, :]
-    return tl.load(ptrs, mask=(pos < end)[:, None] & d_mask[None, :], other=0.0)
+    return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -131,6 +141,8 @@ def _decode_kernel(
     D_PAD: tl.constexpr,
     CAPACITY_SPLITS: tl.constexpr,
     Q_IN_LOOP: tl.constexpr,
+    PDL_PROLOGUE: tl.constexpr,
+    GDC_WAIT: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge kernel may be scheduled now; it waits for our results
@@ -156,7 +168,7 @@ def _decode_kernel(
     d_mask = d < head_dim
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :]
     q_mask = g_mask[:, None] & d_mask[None, :]
-    if not Q_IN_LOOP:
+    if not Q_IN_LOOP and not PDL_PROLOGUE:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [GROUP_PAD, D_PAD]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -165,14 +177,31 @@ def _decode_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for n0 in range(start, stop, BLOCK_N):
+    loop_start = start
+    if PDL_PROLOGUE:  # the first tile, peeled: its loads (but the newest token's) precede gdc_wait
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        ids = _tile_block_ids(table_row, pos, stop, BLOCK_SIZE)  # block tables: host copies, older
+        old = pos < tl.minimum(end, context_len - 1)
+        k = _load_tile(k_base, ids, pos, old, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        v = _load_tile(v_base, ids, pos, old, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        if GDC_WAIT:
+            gdc_wait()  # the kernel before is complete, its writes visible; every store comes after
+        # what it may have written: the query and the newest token's K/V (rows zero in k, v so far)
+        new = (pos == context_len - 1) & (pos < end)
+        k += _load_tile(k_base, ids, pos, new, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        v += _load_tile(v_base, ids, pos, new, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        p, alpha, m_i, l_i = _softmax_step(q, k, pos < end, m_i, l_i, qk_scale, True)  # may be empty
+        acc = tl.dot(p.to(v.dtype), v).to(tl.float32)
+        loop_start = start + BLOCK_N
+    for n0 in range(loop_start, stop, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        if Q_IN_LOOP:  # a load in the loop (not hoisted): pipelined with K/V, not waited for up front
+        if Q_IN_LOOP and not PDL_PROLOGUE:  # in the loop (not hoisted): pipelined with K/V
             q = tl.load(q_ptrs, mask=q_mask & (g * 0 + n0 < stop)[:, None], other=0.0)
         ids = _tile_block_ids(table_row, pos, stop, BLOCK_SIZE)
-        k = _load_tile(k_base, ids, pos, end, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        k = _load_tile(k_base, ids, pos, pos < end, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
         p, alpha, m_i, l_i = _softmax_step(q, k, pos < end, m_i, l_i, qk_scale, CAPACITY_SPLITS)
-        v = _load_tile(v_base, ids, pos, end, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        v = _load_tile(v_base, ids, pos, pos < end, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
 
     has_keys = l_i > 0.0
@@ -257,14 +286,16 @@ def default_config(
     """Tiles for head_dim; for num_programs (sequences x KV heads) < SMALL_GRID with a block table
     of >= SMALL_GRID_MIN_CONTEXT tokens (max_context), the latency config of NOTES.md v5: 32-token
     tiles, >= 32 tokens a split, query loaded in the loop (H200, head_dim 128: 1x2048 9.8 -> 8.4
-    us, 1x8192 16.3 -> 16.0 us; 1x512 keeps the 64-token tiles, where 32 measured 4% slower)."""
+    us, 1x8192 16.3 -> 16.0 us; 1x512 keeps the 64-token tiles, where 32 measured 4% slower),
+    launched with pdl_prologue where pdl_supported (issue 3; not yet measured)."""
     if device.type != "cuda":  # interpreter: wide tiles mean fewer interpreted iterations
         return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     small = num_programs is not None and num_programs < SMALL_GRID
     if small and head_dim == 128 and max_context >= SMALL_GRID_MIN_CONTEXT:
-        return DecodeConfig(block_n=32, q_in_loop=True, min_split_tokens=32)
+        pdl = pdl_supported(device)
+        return DecodeConfig(block_n=32, q_in_loop=True, min_split_tokens=32, pdl_prologue=pdl)
     return DecodeConfig()
 
 
@@ -301,6 +332,7 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused by the kernel without splits
     merge = _choose_merge(config, num_splits, num_seqs * num_kv_heads, query.device)
+    gdc = config.pdl_prologue and pdl_supported(query.device)  # else: no wait, plain stream order
     counters = (
         FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
     )
@@ -344,9 +376,12 @@ def paged_decode_attention(
         D_PAD=d_pad,
         CAPACITY_SPLITS=config.capacity_splits,
         Q_IN_LOOP=config.q_in_loop,
+        PDL_PROLOGUE=config.pdl_prologue,
+        GDC_WAIT=gdc,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
+        **({"launch_pdl": True} if gdc else {}),
     )
     if merge in (SplitMerge.KERNEL, SplitMerge.PDL):
         reduce_splits(part_out, part_lse, out, use_pdl=merge is SplitMerge.PDL)

@@ -41,9 +41,9 @@ class SplitMerge(enum.Enum):
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch needs a CUDA device of compute capability >= 9.0."""
-    return (
-        gdc_wait is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
+    if gdc_wait is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class CounterPool:
@@ -158,6 +158,9 @@ def _reduce_kernel(
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
+        # A PDL kernel after us (the next layer's decode with pdl_prologue) may start its prologue
+        # now: gdc_wait there waits for our completion, hence for the split kernel's too.
+        gdc_launch_dependents()
         gdc_wait()  # the split kernel's partials are complete and visible past this point
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)

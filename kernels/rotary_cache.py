@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported
+
 HEADS = 8  # heads per program: Llama-3-8B's 48 heads -> 6 programs per token
 
 
@@ -41,7 +43,10 @@ def _rotary_cache_kernel(
     HALF_PAD: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # a PDL decode (pdl_prologue) may start; it waits before reading q / new K/V
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     d = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
@@ -109,6 +114,7 @@ def rotary_cache_write(
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HEADS=HEADS,
         BLOCK_SIZE=key_cache.shape[1],
+        LAUNCH_DEPENDENTS=pdl_supported(qkv.device),
         num_warps=4,
         enable_fp_fusion=False,  # no FMA: x1 c - x2 s rounds like the separate torch ops
     )

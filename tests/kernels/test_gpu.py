@@ -6,12 +6,16 @@ CPU counterparts: tests/kernels/test_triton_interpret.py (small shapes, fp32/fp1
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from pagedinfer.kernels import ops, reference
+from pagedinfer.kernels.decode_merge import gdc_launch_dependents
 from pagedinfer.kernels.testing import TOLERANCE, AttentionCase, make_block_tables, run_case
 
 pytestmark = pytest.mark.gpu
@@ -137,3 +141,140 @@ def test_small_grid_config_with_wide_tables(block_n, merge, capacity_splits):
         )
         rel = float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
         assert rel <= TOLERANCE[torch.bfloat16], (lens, num_splits, rel)
+
+
+@triton.jit
+def _slow_write_kernel(src_k, src_v, key_cache, value_cache, idx_ptr, num, spin, one, BLOCK: tl.constexpr):
+    """cache[idx[i]] = src[i] (K and V), after ~spin dependent multiplies: PDL dependents start first."""
+    gdc_launch_dependents()  # as rotary_cache and the PDL merge do
+    x = one
+    for _ in range(spin):  # one is 1.0 at run time: no folding, x stays 1.0
+        x = x * one
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < num
+    idx = tl.load(idx_ptr + i, mask=mask, other=0)
+    tl.store(key_cache + idx, (tl.load(src_k + i, mask=mask) * x).to(key_cache.dtype.element_ty), mask=mask)
+    tl.store(
+        value_cache + idx, (tl.load(src_v + i, mask=mask) * x).to(value_cache.dtype.element_ty), mask=mask
+    )
+
+
+def _replay_check(graph, out, query, kc, vc, tables, lens, refresh):
+    """refresh() sets new inputs; after each replay out must match the float64 reference."""
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    errors = []
+    for _ in range(3):
+        refresh()
+        graph.replay()
+        ref = reference.paged_decode_attention(
+            query.double(), kc.double(), vc.double(), tables, context_lens, 128**-0.5
+        )
+        errors.append(float((out.double() - ref).norm() / ref.norm()))
+    return errors
+
+
+def _capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+PDL_PROLOGUE_RUNS = (
+    ([8192], None, None),
+    ([5000, 1, 300], 7, "fused"),
+    ([3000, 17], 1, None),
+    ([2048], 64, "kernel"),
+)
+
+
+def _pdl_inputs(lens, gen):
+    from pagedinfer.kernels import decode_attention as da
+
+    if not da.pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    tables, num_blocks = make_block_tables(lens, 16, 0, gen)
+    kc, vc = (
+        torch.randn((num_blocks, 16, 8, 128), generator=gen).to("cuda", torch.bfloat16) for _ in range(2)
+    )
+    newest = torch.tensor([int(tables[s, (n - 1) // 16]) * 16 + (n - 1) % 16 for s, n in enumerate(lens)])
+    return tables.cuda(), kc, vc, newest.cuda()
+
+
+@pytest.mark.parametrize("lens,num_splits,merge", PDL_PROLOGUE_RUNS)
+def test_pdl_prologue_after_rotary_cache_write_in_graph(lens, num_splits, merge):
+    """The engine's order in one CUDA graph: rotary + cache write (q and the newest token's K/V,
+    its V large so a stale read shows), then the decode with pdl_prologue launched as its PDL
+    dependent. Every replay's fresh q / K / V must be seen."""
+    from pagedinfer.kernels import decode_attention as da
+    from pagedinfer.kernels import fused_ops
+
+    gen = torch.Generator().manual_seed(len(lens))
+    tables, kc, vc, slots = _pdl_inputs(lens, gen)
+    qkv = torch.empty(len(lens), (32 + 16) * 128, dtype=torch.bfloat16, device="cuda")
+    angles = torch.rand(len(lens), 64, generator=gen).cuda() * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    config = da.DecodeConfig(32, q_in_loop=True, min_split_tokens=32, pdl_prologue=True)
+    config = dataclasses.replace(config, merge=None if merge is None else da.SplitMerge(merge))
+    q_out = []
+
+    def step():
+        q = fused_ops.rotary_cache_write(qkv, cos, sin, kc, vc, slots, "triton")
+        q_out.append(q)
+        return da.paged_decode_attention(q, kc, vc, tables, context_lens, 128**-0.5, num_splits, config)
+
+    def refresh():
+        fresh = torch.randn(qkv.shape, generator=gen)
+        fresh[:, 40 * 128 :] *= 100  # the V heads: the newest token dominates the output
+        qkv.copy_(fresh.to("cuda", torch.bfloat16))
+
+    graph, out = _capture(step)
+    errors = _replay_check(graph, out, q_out[-1], kc, vc, tables, lens, refresh)
+    assert max(errors) <= TOLERANCE[torch.bfloat16], errors
+
+
+@pytest.mark.parametrize("written", ["newest", "first"])
+@pytest.mark.parametrize("lens,num_splits,merge", PDL_PROLOGUE_RUNS[:2])
+def test_pdl_prologue_waits_for_a_slow_writer(lens, num_splits, merge, written):
+    """A kernel that triggers its dependents at once, spins ~50 us, then writes K/V rows (NaN V
+    before); the decode (pdl_prologue) follows in one CUDA graph. "newest": the rows at
+    context_len - 1 (the contract): must be seen. "first": position 0, which the prologue reads
+    before gdc_wait by design: must be missed (NaN out), which shows the decode does overlap the
+    kernel before it (else the knob gains nothing and the "newest" case proves nothing)."""
+    from pagedinfer.kernels import decode_attention as da
+
+    gen = torch.Generator().manual_seed(7)
+    tables, kc, vc, slots = _pdl_inputs(lens, gen)
+    if written == "first":
+        slots = tables[:, 0].long() * 16
+    query = torch.randn(len(lens), 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    row = torch.arange(8 * 128, device="cuda")
+    idx = (slots[:, None] * 8 * 128 + row).reshape(-1)  # the rows' elements in the flat caches
+    src_k, src_v = (torch.empty(idx.numel(), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    config = da.DecodeConfig(32, q_in_loop=True, min_split_tokens=32, pdl_prologue=True)
+    config = dataclasses.replace(config, merge=None if merge is None else da.SplitMerge(merge))
+
+    def step():
+        grid = (triton.cdiv(idx.numel(), 1024),)
+        _slow_write_kernel[grid](src_k, src_v, kc, vc, idx, idx.numel(), 20000, 1.0, BLOCK=1024)
+        return da.paged_decode_attention(query, kc, vc, tables, context_lens, 128**-0.5, num_splits, config)
+
+    def refresh():
+        kc.view(-1)[idx] = 0.0  # stale rows until the writer runs: a read of them gives NaN
+        vc.view(-1)[idx] = float("nan")
+        src_k.copy_(torch.randn(idx.numel(), generator=gen).to("cuda", torch.bfloat16))
+        src_v.copy_(torch.randn(idx.numel(), generator=gen).to("cuda", torch.bfloat16))
+
+    graph, out = _capture(step)
+    errors = _replay_check(graph, out, query, kc, vc, tables, lens, refresh)
+    if written == "newest":
+        assert max(errors) <= TOLERANCE[torch.bfloat16], errors
+    else:
+        assert all(math.isnan(e) for e in errors), errors
