@@ -1,6 +1,7 @@
 """Small-grid decode (issue 3): the v4 kernel against the current one and its knobs, interleaved.
 
     python bench/decode_tune_b1.py --out DIR [--shapes 1x8192,1x2048w8192,...] [--rounds 3]
+        [--set v5|pdl]
 
 A shape is BATCHxCONTEXT, or BATCHxCONTEXTwCAPACITY for a block table wider than the context
 (as in the engine, whose tables are sized for the longest context). Every variant is timed like
@@ -8,7 +9,11 @@ bench/attention.py (one CUDA graph over rotated input sets >= 256 MB, median per
 variants once per round, so slow drift hits them alike. "v4" is the v4 code itself when a copy
 of it is importable as the package `headk` (decode_attention.py / decode_merge.py from before
 v5, with the merge import pointed at headk); "default" is the current default config.
-Writes DIR/decode_tune.jsonl (one line per timing) and prints one line per timing.
+--set pdl (issue 3): the small-grid config with and without DecodeConfig.pdl_prologue, alone and
+after the rotary + cache-write kernel (the engine's order: it writes the query and the newest
+token's K/V; the timed graph holds both kernels, so "rot+" rows include the rotary kernel).
+Writes DIR/decode_tune.jsonl (one line per timing), prints one line per timing and a table of
+medians over the rounds.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention as bench  # noqa: E402  (bench/ is not a package)
 import attention_cases as cases  # noqa: E402
 
-from pagedinfer.kernels.decode_attention import DecodeConfig, SplitMerge  # noqa: E402
+from pagedinfer.kernels import fused_ops  # noqa: E402
+from pagedinfer.kernels.decode_attention import DecodeConfig, SplitMerge, default_config  # noqa: E402
 
 SMALL = {"capacity_splits": True, "q_in_loop": True}
 # Variants for grids under SMALL_GRID programs (merge PDL there); label -> DecodeConfig.
@@ -41,6 +49,17 @@ SMALL_GRID_VARIANTS = {
 }
 
 
+# --set pdl: the v5 small-grid config with / without the PDL prologue, and v4's 64-token tiles.
+SMALL_V5 = DecodeConfig(32, 4, 3, q_in_loop=True, min_split_tokens=32)
+PDL_VARIANTS = {
+    "v5 small": SMALL_V5,
+    "v5 small +pdl": replace(SMALL_V5, pdl_prologue=True),
+    "64/4/3": DecodeConfig(),
+    "64/4/3 +pdl": DecodeConfig(pdl_prologue=True),
+}
+ROTARY_VARIANTS = ("v5 small", "v5 small +pdl")  # also timed after the rotary + cache-write kernel
+
+
 def _v4_module():
     try:
         from headk import decode_attention
@@ -53,7 +72,39 @@ def _inputs(batch: int, context: int, capacity: int) -> dict:
     x = cases.decode_inputs(batch, capacity)
     x["context_lens"].fill_(context)
     x["context"] = context
+    # the rotary + cache-write kernel's inputs: one token a sequence, written at position context - 1
+    heads = cases.LLAMA
+    x["qkv"] = torch.randn(batch, (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim, device="cuda")
+    x["qkv"] = x["qkv"].to(cases.DTYPE)
+    angles = torch.rand(batch, heads.head_dim // 2, device="cuda") * 6.3
+    x["rope"] = (angles.cos(), angles.sin())
+    last = context - 1
+    x["slots"] = (
+        x["block_tables"][:, last // cases.BLOCK_SIZE].long() * cases.BLOCK_SIZE + last % cases.BLOCK_SIZE
+    )
     return x
+
+
+def _rotary_then_decode(x: dict, config: DecodeConfig):
+    """The engine's order: rotary + cache write (q, newest K/V), then the decode on that q."""
+
+    def fn():
+        kc, vc = x["key_cache"], x["value_cache"]
+        q = fused_ops.rotary_cache_write(x["qkv"], *x["rope"], kc, vc, x["slots"], "triton")
+        return cases.triton_decode(q, kc, vc, x["block_tables"], x["context_lens"], x["scale"], config=config)
+
+    return fn
+
+
+def _pdl_variants(batch: int) -> dict:
+    out: dict = {"default": lambda x: cases.ours_decode(x)}
+    if batch * cases.LLAMA.num_kv_heads >= 16:
+        return out
+    for label, config in PDL_VARIANTS.items():
+        out[label] = lambda x, config=config: cases.ours_decode(x, config)
+    for label in ROTARY_VARIANTS:
+        out["rot+" + label] = lambda x, config=PDL_VARIANTS[label]: _rotary_then_decode(x, config)
+    return out
 
 
 def _variants(batch: int) -> dict:
@@ -72,26 +123,43 @@ def _args(x: dict) -> tuple:
     return x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"]
 
 
-def run_shape(shape: str, rounds: int, rep_ms: int, log) -> None:
+def run_shape(shape: str, rounds: int, rep_ms: int, log, variant_set: str = "v5") -> list[dict]:
     bc, _, cap = shape.partition("w")
     batch, context = (int(v) for v in bc.split("x"))
     capacity = int(cap) if cap else context
     kv_bytes = cases.decode_kv_bytes(batch, capacity)
     sets = [_inputs(batch, context, capacity) for _ in range(min(64, -(-bench.ROTATE_BYTES // kv_bytes)))]
     ref = cases.ours_decode(sets[0])()
-    variants = _variants(batch)
+    variants = _variants(batch) if variant_set == "v5" else _pdl_variants(batch)
+    rows = []
     for r in range(rounds):
         for label, factory in variants.items():
             row = {"shape": shape, "label": label, "round": r}
             try:
                 fns = [factory(x) for x in sets]
-                row["rel_err"] = bench._rel_err(fns[0](), ref)
+                if not label.startswith("rot+"):  # the rotary rows decode another query
+                    row["rel_err"] = bench._rel_err(fns[0](), ref)
                 row["us"] = bench._bench_graph(fns, rep_ms) * 1e3
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is recorded
                 row["error"] = str(e)[:300]
             log(row)
+            rows.append(row)
     del sets
     torch.cuda.empty_cache()
+    return rows
+
+
+def print_medians(rows: list[dict]) -> None:
+    """One line per variant: the median us per call over the rounds, one column per shape."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    print(f"\nmedian us over rounds\n{'variant':<22}" + "".join(f"{s:>12}" for s in shapes))
+    for label in labels:
+        cells = []
+        for shape in shapes:
+            us = [r["us"] for r in rows if r["label"] == label and r["shape"] == shape and "us" in r]
+            cells.append(f"{statistics.median(us):12.2f}" if us else f"{'-':>12}")
+        print(f"{label:<22}" + "".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="1x8192,1x2048,1x512,1x2048w8192,1x512w8192,16x2048,64x2048")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=int, default=25)
+    ap.add_argument(
+        "--set", choices=("v5", "pdl"), default="v5", help="variants: v5 tiles or the PDL prologue"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -118,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_gbps = bench.measure_copy_bandwidth(args.rep_ms)
     log({"shape": "copy", "label": f"{copy_gbps:.0f} GB/s", "copy_gbps": copy_gbps})
+    rows = []
     for shape in args.shapes.split(","):
-        run_shape(shape, args.rounds, args.rep_ms, log)
+        rows += run_shape(shape, args.rounds, args.rep_ms, log, args.set)
+    print_medians(rows)
+    print(f"default_config(1x8192): {default_config(128, torch.device('cuda'), 8, 8192)}")
     return 0
 
 
