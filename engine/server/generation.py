@@ -160,10 +160,11 @@ class GenerationService:
         vocab_size = engine.model_config.vocab_size
         if not token_ids:
             raise InvalidRequestError("prompt token ids must not be empty")
-        bad = [t for t in token_ids if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} out of range [0, {vocab_size})")
-        return [int(t) for t in token_ids]
+        ids = list(map(int, token_ids))
+        if min(ids) < 0 or max(ids) >= vocab_size:  # C loops; the slow scan only to name the bad id
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise InvalidRequestError(f"token id {bad} out of range [0, {vocab_size})")
+        return ids
 
     def _render_chat(self, engine: Any, messages: Sequence[ChatMessage]) -> list[int]:
         if not messages:

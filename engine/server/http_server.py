@@ -171,8 +171,9 @@ def build_app(service: GenerationService, config: ServerConfig, auth: ApiKeyAuth
     app = FastAPI(title="paged-infer", version="1", docs_url="/docs", redoc_url=None)
     app.state.server_config = config
     _install_error_handlers(app)
-    _add_probe_routes(app, service)
+    # Routes match in order: the OpenAI paths (the per-request hot path) before the probes.
     app.include_router(OpenAIRoutes(service).router)
+    _add_probe_routes(app, service)
     app.include_router(WebSocketGateway(service, config, auth).router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

@@ -114,7 +114,7 @@ class CompletionRequest(_SamplingFields):
         if isinstance(prompt, str):
             prompt_input = PromptInput(text=prompt)
         else:
-            prompt_input = PromptInput(token_ids=tuple(int(t) for t in prompt))
+            prompt_input = PromptInput(token_ids=tuple(prompt))  # ints already (pydantic)
         return GenerationRequest(
             prompt=prompt_input,
             sampling_params=self._sampling(self.max_tokens, self.logprobs),
