@@ -343,6 +343,7 @@ class AsyncEngine:
             self._streams[new.request_id] = stream
             self._inbox.append(new)
             self._cv.notify()
+        self._wake_core()
         finished = False
         try:
             while not finished:
@@ -367,7 +368,7 @@ class AsyncEngine:
                 raise InvalidRequestError("this model has no tokenizer: pass prompt_token_ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt_token_ids]
+            ids = list(map(int, prompt_token_ids))
         self._built.core.validate(ids, params)
         return _NewRequest(request_id or uuid.uuid4().hex, ids, params, int(priority), time.monotonic())
 
@@ -381,6 +382,15 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None) if queued else None
         if stream is not None:  # never reached the engine thread: end its stream here
             _post([(stream, _aborted_output(queued[0]))])
+        else:
+            self._wake_core()
+
+    def _wake_core(self) -> None:
+        """A core in another process: the engine thread may be waiting in its step() for the
+        core's next message; it must send the inbox now, before the core's next step begins."""
+        wake = getattr(self._built.core, "wake", None) if self._built is not None else None
+        if wake is not None:
+            wake()
 
     def add_step_listener(self, callback: Callable[[StepStats], None]) -> None:
         self._listeners.append(callback)

@@ -11,7 +11,8 @@ never delays a step. One duplex pipe (pickled messages) joins them:
                      ("step_failed", message, aborted request ids)
 
 `RemoteCore` is the server side: it offers what AsyncEngine's loop calls on an EngineCore
-(validate, add_request, abort, has_unfinished, step, stats, add_step_listener) and `close`.
+(validate, add_request, abort, has_unfinished, step, stats, add_step_listener), `close`, and
+`wake` (AsyncEngine has requests to send: stop waiting in step()).
 A reader thread drains the pipe into a queue all the time, so the core never blocks on a full
 pipe while the server is busy sending it a burst of long prompts (both sides blocked in send()
 would deadlock); `step()` takes every step message waiting and merges them. A writer thread
@@ -235,6 +236,7 @@ class RemoteCore:
         self._cv = threading.Condition()
         self._received: deque[tuple] = deque()  # messages from the core, oldest first
         self._gone: str | None = None  # why the core process is gone (None while it runs)
+        self._is_woken = False  # wake() was called: step() returns without waiting
         self._closing = False
         self._outbox: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()  # pickled, in order
         self._reader = threading.Thread(target=self._read, name="pagedinfer-core-reader", daemon=True)
@@ -252,8 +254,9 @@ class RemoteCore:
                 f"the prompt has {num} tokens; this model's context is {info.max_model_len} "
                 f"(prompt + at least one output token must fit)"
             )
-        if info.vocab_size is not None and any(t < 0 or t >= info.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {info.vocab_size})")
+        vocab_size = info.vocab_size
+        if vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
         blocks = -(-(num + 1) // info.block_size)
         if blocks > info.num_blocks:
             raise InvalidRequestError(f"the prompt needs {blocks} KV blocks; the cache has {info.num_blocks}")
@@ -296,14 +299,27 @@ class RemoteCore:
         if gone is not None:
             callback(gone)
 
-    def step(self) -> list[RequestOutput]:
-        """Outputs of every step message received since the last call (blocks until one is)."""
+    def wake(self) -> None:
+        """Make a step() waiting for the core's next message return now, empty if none came:
+        AsyncEngine has new requests (or aborts) to send. The core starts its next step the
+        moment it has sent a step message, so a request left in AsyncEngine's inbox until that
+        message arrives misses the next step: one step more before its first token."""
         with self._cv:
-            while not self._received and self._gone is None:
+            self._is_woken = True
+            self._cv.notify()
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs of every step message received since the last call (blocks until one is,
+        or until wake())."""
+        with self._cv:
+            while not self._received and self._gone is None and not self._is_woken:
                 self._cv.wait()
+            self._is_woken = False
             messages = self._take_steps()
             gone = self._gone
         if not messages:
+            if gone is None:  # woken before the core's next message
+                return []
             self._in_flight.clear()
             raise EngineDeadError(gone)
         if messages[0][0] == "step_failed":
