@@ -91,6 +91,12 @@ def main() -> None:
         "chain": [],
     }
     best: dict[tuple[str, int], tuple[float, GemvConfig]] = {}
+    lines = [f"copy bandwidth {copy_gbps:,.0f} GB/s"]
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     for shape, (n, k, _copies) in SHAPES.items():
         layer_bytes = n * k * weights[shape][0].element_size()
         for m in rows:
@@ -115,10 +121,9 @@ def main() -> None:
             row["best_frac_copy"] = layer_bytes / (ms * 1e-3) / 1e9 / copy_gbps
             row["torch_over_best"] = torch_ms / ms
             results["layers"].append(row)
-            print(
+            say(
                 f"{shape:8s} M={m:2d} {n}x{k}: torch {torch_ms * 1e3:7.1f} us ({row['torch_frac_copy']:.2f} of copy)"
-                f"  best {row['best']} {ms * 1e3:7.1f} us ({row['best_frac_copy']:.2f})  torch/best {row['torch_over_best']:.2f}x",
-                flush=True,
+                f"  best {row['best']} {ms * 1e3:7.1f} us ({row['best_frac_copy']:.2f})  torch/best {row['torch_over_best']:.2f}x"
             )
     # The whole step's chain of linear layers, in layer order, one graph each way.
     for m in rows:
@@ -154,15 +159,15 @@ def main() -> None:
             "torch_over_triton": t["torch"] / t["triton"],
         }
         results["chain"].append(entry)
-        print(
+        say(
             f"chain M={m}: {total_bytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms | torch {t['torch']:.3f} ms "
             f"({entry['torch_over_floor']:.2f}x floor) | triton {t['triton']:.3f} ms ({entry['triton_over_floor']:.2f}x) "
-            f"| torch/triton {entry['torch_over_triton']:.3f}x",
-            flush=True,
+            f"| torch/triton {entry['torch_over_triton']:.3f}x"
         )
     results["best_configs"] = {f"{s}/{m}": name_of(c) for (s, m), (_, c) in best.items()}
     results["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (args.out / "gemv.json").write_text(json.dumps(results, indent=1))
+    (args.out / "gemv_summary.txt").write_text("\n".join(lines) + "\n")
     plot(results, args.out / "gemv.png")
 
 

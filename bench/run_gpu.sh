@@ -74,6 +74,8 @@ step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernel
 # shellcheck disable=SC2086  # ATTENTION_BENCH_ARGS (e.g. "--tune decode") splits into words
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/models
+# small-batch linear layers: torch's GEMM vs kernels/gemv.py per 8B layer shape and the step's chain
+step bench_gemv "$PY" bench/gemv.py --out "$OUTDIR" --rows 1,4,16 --rep-ms 25
 # one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
 step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
 # where a decode step's time goes: kernel time vs wall time per step (torch.profiler, 8B shape)
