@@ -137,7 +137,11 @@ async def test_stream_completes_with_starlette_headers_and_leaves_its_task_uncan
     assert headers[b"cache-control"] == b"no-cache" and headers[b"x-accel-buffering"] == b"no"
     events = _events(sent)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 3
-    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert len(bodies) == 3  # one write per output; the last one ends the body too
+    assert [m["more_body"] for m in bodies] == [True, True, False] and bodies[-1]["body"].endswith(
+        b"[DONE]\n\n"
+    )
     assert asyncio.current_task().cancelling() == 0  # the disconnect watcher cancelled nothing
     assert engine.aborted == []
 
@@ -206,3 +210,22 @@ async def test_request_arriving_while_the_core_steps_reaches_it_before_that_step
     core_conn.send(_step_message("b", 2))
     assert (await first_a).finished and (await first_b).finished
     await engine.shutdown(0.0)
+
+
+async def test_error_mid_stream_is_an_event_then_done_ending_the_body() -> None:
+    engine = _Engine(num_ready=1)
+    app, _ = _app(engine)
+
+    async def failing(prompt_token_ids, sampling_params, priority, request_id):
+        yield RequestOutput(request_id, [CompletionDelta(0, " a", [1])])
+        raise RuntimeError("boom")
+
+    engine.generate = failing
+    sent = await _post(
+        app, "/v1/completions", {"prompt": [1], "max_tokens": 5, "stream": True}, asyncio.Event()
+    )
+    events = _events(sent)
+    assert len(events) == 3 and events[-1] == "[DONE]"
+    assert json.loads(events[1])["error"]["message"] == "internal error: RuntimeError: boom"
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert [m["more_body"] for m in bodies] == [True, True, False]
