@@ -287,15 +287,15 @@ def default_config(
     of >= SMALL_GRID_MIN_CONTEXT tokens (max_context), the latency config of NOTES.md v5: 32-token
     tiles, >= 32 tokens a split, query loaded in the loop (H200, head_dim 128: 1x2048 9.8 -> 8.4
     us, 1x8192 16.3 -> 16.0 us; 1x512 keeps the 64-token tiles, where 32 measured 4% slower),
-    launched with pdl_prologue where pdl_supported (issue 3; not yet measured)."""
+    pdl_prologue stays opt-in: on the H200 it lost at 1x8192 (16.3 vs 15.9 us) and after the
+    rotary kernel (the engine's sequence: 17.9 -> 20.5 us), NOTES.md v6."""
     if device.type != "cuda":  # interpreter: wide tiles mean fewer interpreted iterations
         return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     small = num_programs is not None and num_programs < SMALL_GRID
     if small and head_dim == 128 and max_context >= SMALL_GRID_MIN_CONTEXT:
-        pdl = pdl_supported(device)
-        return DecodeConfig(block_n=32, q_in_loop=True, min_split_tokens=32, pdl_prologue=pdl)
+        return DecodeConfig(block_n=32, q_in_loop=True, min_split_tokens=32)
     return DecodeConfig()
 
 

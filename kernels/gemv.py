@@ -114,8 +114,14 @@ def _gemv_dot_kernel(
 
 MAX_ROWS = 16  # the dot variant's padded row tile
 
-# Defaults until the H200 sweep (bench/gemv.py) picks per-shape configs.
-DEFAULT_CONFIG = GemvConfig("reduce", block_n=16, block_k=512, num_warps=4, num_stages=4)
+# From the H200 sweep of bench/gemv.py (2026-12-03, NOTES.md "Small-batch linear layers"): at one
+# row, few output rows (N <= 4096: 256 programs) want long K tiles and 8 warps, mid-size N short
+# programs, large N (gate_up, lm_head) 256-wide tiles; with more rows the tensor-core variant.
+NARROW_CONFIG = GemvConfig("reduce", block_n=16, block_k=1024, num_warps=8, num_stages=3)
+MID_CONFIG = GemvConfig("reduce", block_n=8, block_k=512, num_warps=4, num_stages=4)
+WIDE_CONFIG = GemvConfig("reduce", block_n=16, block_k=256, num_warps=4, num_stages=4)
+DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=128, num_warps=4, num_stages=6)
+DEFAULT_CONFIG = WIDE_CONFIG
 
 
 def gemv(
@@ -162,8 +168,9 @@ def gemv(
 
 
 def config_for(num_rows: int, n: int, k: int) -> GemvConfig:
-    """The kernel config for a shape (the H200 sweep of bench/gemv.py picks them)."""
-    return DEFAULT_CONFIG if num_rows <= 2 else DOT_CONFIG
-
-
-DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=128, num_warps=4, num_stages=4)
+    """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes)."""
+    if num_rows > 2:
+        return DOT_CONFIG
+    if n <= 4096:
+        return NARROW_CONFIG
+    return MID_CONFIG if n <= 8192 else WIDE_CONFIG

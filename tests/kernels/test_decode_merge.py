@@ -44,7 +44,7 @@ def test_small_grid_config_choice():
     small = da.default_config(128, cuda, 8, 8192)
     assert (small.block_n, small.q_in_loop, small.min_split_tokens) == (32, True, 32)
     assert not small.capacity_splits  # off by default: it loses on tables wider than the context
-    assert small.pdl_prologue == da.pdl_supported(cuda)  # False here: no CUDA device
+    assert not small.pdl_prologue  # opt-in: measured slower at 1x8192 and after the rotary kernel
     assert not da.default_config(128, torch.device("cpu"), 8, 8192).pdl_prologue  # interpreter
     assert da.default_config(128, cuda, 8, 2048) == small
     for args in ((128, cuda, 8, 1024), (128, cuda, 16, 8192), (64, cuda, 3, 8192), (128, cuda)):
