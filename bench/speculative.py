@@ -203,6 +203,9 @@ def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_token
         # Where a speculative step's time goes (host phases of EngineCore.step; the draft model
         # and the n-gram proposer run in `update`, the target's verification in `collect`).
         "spec_step_ms": step_median(fast, len(prompts)),
+        # the distribution's tail: a mean far above the median means a few slow steps
+        "spec_step_ms_mean_max": step_mean_max(fast, len(prompts)),
+        "base_step_ms_mean_max": step_mean_max(base, len(prompts)),
         "spec_phases_ms": phase_medians(fast, len(prompts)),
         "base_phases_ms": phase_medians(base, len(prompts)),
         "proposer_ms_per_step": round(timer.median_s * 1e3, 3),
@@ -227,6 +230,11 @@ def step_median(run, batch: int) -> float | None:
     return round(statistics.median(s["ms"] for s in steps), 3) if steps else None
 
 
+def step_mean_max(run, batch: int) -> list[float] | None:
+    steps = [s["ms"] for s in _full_steps(run, batch)]
+    return [round(statistics.mean(steps), 3), round(max(steps), 3)] if steps else None
+
+
 def phase_medians(run, batch: int) -> dict[str, float]:
     phases = [s["phases_ms"] for s in _full_steps(run, batch) if "phases_ms" in s]
     return {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]} if phases else {}
@@ -246,6 +254,11 @@ def run_workload(
             prompts = w.prompts(batch)
             if batch not in bases:
                 bases[batch] = baseline(core, prompts, max_tokens)
+            # Warm-up at this batch and K (kernels specialized or compiled on first use, the
+            # draft's graphs): one-time costs stay out of the timed run.
+            run_engine_requests(
+                core, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+            )
             row = measure(core, prompts, *bases[batch], max_tokens, k)
             rows.append(row)
             print(w.name, json.dumps(row), flush=True)

@@ -19,7 +19,7 @@ GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # PAGEDINFER_GEMV=0 keeps torch's GEMM for every shape (an escape hatch, and the A/B switch of
 # the benchmarks); PAGEDINFER_GEMV_MAX_ROWS moves the row count up to which the kernel is used.
 GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
-GEMV_MAX_ROWS = int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "1"))
+GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "16")), 16)  # 16: gemv.MAX_ROWS
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> bool:
