@@ -36,8 +36,11 @@ from pagedinfer.engine.models.layers.rotary import RotaryEmbedding
 from pagedinfer.engine.models.llama import LlamaDecoderLayer
 from pagedinfer.engine.models.shapes import LLAMA3_8B
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
-from pagedinfer.kernels import fused_ops, ops
+from pagedinfer.kernels import fused_ops, linear_ops, ops
 from pagedinfer.kernels import fused_reference as ref
+
+# Both sides use torch's GEMM: this bench compares the elementwise chain (bench/gemv.py has the GEMMs).
+linear_ops.GEMV_ENABLED = False
 
 SMOKE = dataclasses.replace(
     LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16
