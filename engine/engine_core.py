@@ -255,8 +255,12 @@ class EngineCore:
         nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:
             self.num_lookahead_steps += 1
-            forward = self.runner.launch_forward(nxt, feed=pending)
-            self._inflight = (nxt, self.runner.launch_sampling(forward))
+            try:
+                forward = self.runner.launch_forward(nxt, feed=pending)
+                self._inflight = (nxt, self.runner.launch_sampling(forward))
+            except BaseException:  # its placeholder slots are reserved already: give them back
+                drop_lookahead(self.scheduler, nxt)
+                raise
 
     def _flush_pending(self) -> list[RequestOutput]:
         """Outputs and step accounting of the last step: nothing here decides the next batch."""

@@ -243,3 +243,40 @@ def test_a_batch_that_ends_by_length_runs_no_dead_step(tiny_llama_dir):
         assert_idle_and_free(llm)
     assert steps[True] == steps[False]
     assert results[True] == results[False]
+
+
+def test_a_lookahead_that_fails_to_launch_gives_back_its_slots(tiny_llama_dir):
+    """The lookahead's launch itself fails (after its KV slot was reserved under the placeholder):
+    that slot is given back too, so a caller that keeps stepping matches the synchronous engine."""
+    outs = {}
+    for asyn in (False, True):
+        llm = make_llm(tiny_llama_dir, asyn)
+        core = llm.core
+        core.add_request(
+            "a", [10, 20, 30, 40, 50, 60], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        )
+        real_launch, calls = core.runner.launch_forward, [0]
+
+        def flaky(sched, feed=None, real_launch=real_launch, calls=calls):
+            if feed is not None:
+                calls[0] += 1
+                if calls[0] == 2:  # the second lookahead launch
+                    raise RuntimeError("transient device failure")
+            return real_launch(sched, feed=feed)
+
+        core.runner.launch_forward = flaky
+        core.step()
+        (seq,) = core.scheduler.running
+        while core.has_unfinished():
+            with contextlib.suppress(RuntimeError):
+                core.step()
+        seq_tokens = list(seq.output_token_ids)
+        probe = [10, 20, 30, 40, 50, 60] + seq_tokens[:6] + [77]
+        (o,) = llm.generate(
+            prompt_token_ids=[probe],
+            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        )
+        outs[asyn] = (seq_tokens, o.usage.cached_prompt_tokens, o.completions[0].token_ids)
+        assert_idle_and_free(llm)
+    assert outs[True] == outs[False]
+    assert outs[True][1] == 12
