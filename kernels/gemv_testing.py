@@ -46,10 +46,11 @@ INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 def run_case(case: GemvCase, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(case.rows, case.k + case.row_pad, generator=gen)[:, : case.k]
-    w = torch.randn(case.n, case.k + case.row_pad, generator=gen)[:, : case.k] / case.k**0.5
+    x = torch.randn(case.rows, case.k + case.row_pad, generator=gen)
+    w = torch.randn(case.n, case.k + case.row_pad, generator=gen) / case.k**0.5
     b = torch.randn(case.n, generator=gen) if case.bias else None
-    x, w = x.to(device, dtype), w.to(device, dtype)
+    # Sliced after the conversion, which would copy a strided view into a contiguous tensor.
+    x, w = x.to(device, dtype)[:, : case.k], w.to(device, dtype)[:, : case.k]
     b = b.to(device, dtype) if b is not None else None
     out = gemv(x, w, b, case.config)
     ref = F.linear(x.double(), w.double(), b.double() if b is not None else None)
