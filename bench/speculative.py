@@ -181,6 +181,7 @@ def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_token
     drafted = stats.num_draft_tokens - before.num_draft_tokens
     accepted = stats.num_accepted_tokens - before.num_accepted_tokens
     verifying = stats.num_verified_sequences - before.num_verified_sequences
+    paused = stats.num_paused_sequence_steps - before.num_paused_sequence_steps
     emitted = stats.num_emitted_tokens - before.num_emitted_tokens
     mean_emitted = emitted / verifying if verifying else 1.0
     alpha = solve_alpha(mean_emitted, k)
@@ -209,6 +210,11 @@ def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_token
         "spec_phases_ms": phase_medians(fast, len(prompts)),
         "base_phases_ms": phase_medians(base, len(prompts)),
         "proposer_ms_per_step": round(timer.median_s * 1e3, 3),
+        # sequence-steps that verified drafts / that the policy had paused, and the tokens one
+        # sequence gained per step while the batch was full (what the formula models)
+        "verifying_sequence_steps": verifying,
+        "paused_sequence_steps": paused,
+        "full_batch_tokens_per_seq_step": full_batch_tokens_per_seq_step(fast, len(prompts)),
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_ratio": round(accepted / drafted, 4) if drafted else 0.0,
@@ -228,6 +234,15 @@ def _full_steps(run, batch: int) -> list[dict]:
 def step_median(run, batch: int) -> float | None:
     steps = _full_steps(run, batch)
     return round(statistics.median(s["ms"] for s in steps), 3) if steps else None
+
+
+def full_batch_tokens_per_seq_step(run, batch: int) -> float | None:
+    """Tokens a sequence gained per step over the steps with the whole batch running (KV tokens
+    grow by exactly the emitted tokens between consecutive such steps)."""
+    steps = _full_steps(run, batch)
+    if len(steps) < 2:
+        return None
+    return round((steps[-1]["kv_tokens"] - steps[0]["kv_tokens"]) / (len(steps) - 1) / batch, 3)
 
 
 def step_mean_max(run, batch: int) -> list[float] | None:
@@ -275,13 +290,22 @@ def _engine_config(args, model: str, dtype: str, spec: SpeculativeConfig) -> Eng
     )
 
 
+def _policy(args) -> dict:
+    """--min-acceptance-rate 0 turns the per-sequence pause off (the formula assumes none)."""
+    return {} if args.min_acceptance_rate is None else {"min_acceptance_rate": args.min_acceptance_rate}
+
+
 def smollm2_workload(args, ks: list[int], method: str) -> Workload:
     """(a) n-gram, or (c) a self-draft of SmolLM2's own layers, on the editing task."""
 
     def spec_config(k: int) -> SpeculativeConfig:
         if method == "ngram":
-            return SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3)
-        return SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=args.draft)
+            return SpeculativeConfig(
+                method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3, **_policy(args)
+            )
+        return SpeculativeConfig(
+            method="draft", num_speculative_tokens=k, draft_model=args.draft, **_policy(args)
+        )
 
     llm = LLM(_engine_config(args, args.model, args.dtype, spec_config(ks[0])))
     encode = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
@@ -309,7 +333,9 @@ def pair_workload(args, ks: list[int]) -> Workload:
     print("pair:", construction, flush=True)
 
     def spec_config(k: int) -> SpeculativeConfig:
-        return SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=construction.draft)
+        return SpeculativeConfig(
+            method="draft", num_speculative_tokens=k, draft_model=construction.draft, **_policy(args)
+        )
 
     config = _engine_config(
         args, "random-llama-3-8b-shape", str(dtype).removeprefix("torch."), spec_config(ks[0])
@@ -345,6 +371,12 @@ def main() -> None:
     parser.add_argument("--target-agreement", type=float, default=0.8, help="pair: teacher-forced agreement")
     parser.add_argument("--prompt-len", type=int, default=128, help="pair: random prompt tokens")
     parser.add_argument("--smoke", action="store_true", help="pair at toy size (CPU check of the code)")
+    parser.add_argument(
+        "--min-acceptance-rate",
+        type=float,
+        default=None,
+        help="the policy's pause threshold (0: never pause)",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]

@@ -67,9 +67,13 @@ class SpeculativeDecoder:
         requests: list[DraftRequest] = []
         for seq in running:  # one pass: the policy is asked only for sequences that may draft
             max_drafts = self._max_drafts(seq)
-            if max_drafts > 0 and self.policy.should_speculate(seq.seq_id):
+            if max_drafts <= 0:
+                continue
+            if self.policy.should_speculate(seq.seq_id):
                 candidates.append(seq)
                 requests.append(DraftRequest(_row(seq), max_drafts, seq.eos_token_ids))
+            else:
+                self.stats.num_paused_sequence_steps += 1
         if not candidates:
             return 0
         proposals = self.proposer.propose(requests)

@@ -29,6 +29,7 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
     num_verified_sequences: int = 0  # sequence-steps that verified at least one draft
     num_emitted_tokens: int = 0  # tokens those sequence-steps emitted (accepted + 1 each)
+    num_paused_sequence_steps: int = 0  # could have drafted, but the policy had them paused
 
     @property
     def acceptance_rate(self) -> float:

@@ -78,3 +78,33 @@ def test_factory_rejects_bad_configuration():
         build_speculative_decoder(
             SpeculativeConfig(method="ngram", num_speculative_tokens=0), None, None, **kwargs
         )
+
+
+def test_paused_sequence_steps_are_counted():
+    """The decoder counts sequence-steps that could draft but sat out a pause (the benchmark
+    compares them with the verifying ones)."""
+    from pagedinfer.engine.request import Request, RequestStatus
+    from pagedinfer.engine.sampling_params import SamplingParams
+    from pagedinfer.engine.spec_decode.controller import SpeculativeDecoder
+    from pagedinfer.engine.spec_decode.proposer import DraftProposals
+
+    class FixedDrafts:
+        def propose(self, requests):
+            return DraftProposals(token_ids=[[5] * r.max_draft_tokens for r in requests], probs=None)
+
+        def free(self, seq_id):
+            pass
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, min_acceptance_rate=0.3)
+    decoder = SpeculativeDecoder(config, FixedDrafts(), max_model_len=64)
+    seqs = [
+        Request(i, f"r{i}", 0, [1, 2, 3], SamplingParams(max_tokens=20), 0.0, num_computed_tokens=2)
+        for i in range(2)
+    ]
+    for seq in seqs:
+        seq.status = RequestStatus.RUNNING
+    while not decoder.policy._seqs.get(0, None) or not decoder.policy._seqs[0].paused_steps_left:
+        decoder.policy.observe(0, 2, 0)  # sequence 0's drafts keep failing until it pauses
+    assert decoder.propose(seqs) == 2
+    assert seqs[0].spec_token_ids == [] and seqs[1].spec_token_ids == [5, 5]
+    assert decoder.stats.num_paused_sequence_steps == 1
