@@ -87,7 +87,7 @@ class EngineCore:
     ) -> None:
         self.scheduler = scheduler
         self.async_scheduling = async_scheduling  # lookahead steps (core/lookahead.py)
-        self._inflight: tuple[SchedulerOutput, object] | None = None  # a launched lookahead step
+        self._inflight: tuple[SchedulerOutput, object] | None = None  # a lookahead step (None: launching)
         self.num_lookahead_steps = 0
         self.runner = runner
         _freeze_startup_objects()
@@ -255,12 +255,11 @@ class EngineCore:
         nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:
             self.num_lookahead_steps += 1
-            try:
-                forward = self.runner.launch_forward(nxt, feed=pending)
-                self._inflight = (nxt, self.runner.launch_sampling(forward))
-            except BaseException:  # its placeholder slots are reserved already: give them back
-                drop_lookahead(self.scheduler, nxt)
-                raise
+            # In flight from the moment its slots are reserved: if launching it fails, step()
+            # gives them back like any dropped lookahead's.
+            self._inflight = (nxt, None)
+            forward = self.runner.launch_forward(nxt, feed=pending)
+            self._inflight = (nxt, self.runner.launch_sampling(forward))
 
     def _flush_pending(self) -> list[RequestOutput]:
         """Outputs and step accounting of the last step: nothing here decides the next batch."""
