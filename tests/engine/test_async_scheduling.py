@@ -170,43 +170,50 @@ def test_random_arrivals_aborts_and_preemptions_leave_no_block_behind(tiny_llama
     assert results[True] == results[False] and len(results[True]) > 20
 
 
-def test_a_failed_step_gives_back_its_lookahead_slots(tiny_llama_dir):
-    """A step that fails after its lookahead was launched: the placeholder's KV slot is given
-    back, so a caller that keeps stepping caches the block under the real tokens and gets the
-    synchronous engine's output."""
+def _keep_stepping_through_a_failure(folder, make_flaky) -> None:
+    """Sync and async engines generate one sequence while `make_flaky(core)` makes one call fail;
+    the caller keeps stepping. Then a prompt made of the prompt and the first 6 generated tokens
+    must hit the generated blocks in the prefix cache and continue exactly alike in both: no
+    placeholder was cached and no slot leaked."""
+    prompt = [10, 20, 30, 40, 50, 60]
+    greedy = dict(temperature=0.0, ignore_eos=True)
     outs = {}
     for asyn in (False, True):
-        llm = make_llm(tiny_llama_dir, asyn)
+        llm = make_llm(folder, asyn)
         core = llm.core
-        core.add_request(
-            "a", [10, 20, 30, 40, 50, 60], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        )
-        real_collect, calls = core.runner.collect, [0]
-
-        def flaky(pending, real_collect=real_collect, calls=calls):
-            calls[0] += 1
-            if calls[0] == 3:  # a lookahead (launched in this call) is in flight by now
-                raise RuntimeError("transient device failure")
-            return real_collect(pending)
-
-        core.runner.collect = flaky
+        core.add_request("a", prompt, SamplingParams(max_tokens=12, **greedy))
+        make_flaky(core)
         core.step()
         (seq,) = core.scheduler.running
         while core.has_unfinished():
             with contextlib.suppress(RuntimeError):
                 core.step()
         seq_tokens = list(seq.output_token_ids)
-        # The generated blocks are now prefix-cached: a prompt that shares them must hit them,
-        # and continue exactly as the engine that never cached a placeholder.
-        probe = [10, 20, 30, 40, 50, 60] + seq_tokens[:6] + [77]
-        (o,) = llm.generate(
-            prompt_token_ids=[probe],
-            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-        )
+        probe = prompt + seq_tokens[:6] + [77]
+        (o,) = llm.generate(prompt_token_ids=[probe], sampling_params=SamplingParams(max_tokens=6, **greedy))
         outs[asyn] = (seq_tokens, o.usage.cached_prompt_tokens, o.completions[0].token_ids)
         assert_idle_and_free(llm)
     assert outs[True] == outs[False]
     assert outs[True][1] == 12  # three full blocks of 4 came from the prefix cache
+
+
+def test_a_failed_step_gives_back_its_lookahead_slots(tiny_llama_dir):
+    """A step that fails after its lookahead was launched: the placeholder's KV slot is given
+    back, so a caller that keeps stepping caches the block under the real tokens and gets the
+    synchronous engine's output."""
+
+    def make_flaky(core):
+        real_collect, calls = core.runner.collect, [0]
+
+        def flaky(pending):
+            calls[0] += 1
+            if calls[0] == 3:  # a lookahead (launched in this call) is in flight by now
+                raise RuntimeError("transient device failure")
+            return real_collect(pending)
+
+        core.runner.collect = flaky
+
+    _keep_stepping_through_a_failure(tiny_llama_dir, make_flaky)
 
 
 def test_no_lookahead_slot_for_a_sequence_that_finishes_by_length(tiny_llama_dir):
@@ -248,16 +255,11 @@ def test_a_batch_that_ends_by_length_runs_no_dead_step(tiny_llama_dir):
 def test_a_lookahead_that_fails_to_launch_gives_back_its_slots(tiny_llama_dir):
     """The lookahead's launch itself fails (after its KV slot was reserved under the placeholder):
     that slot is given back too, so a caller that keeps stepping matches the synchronous engine."""
-    outs = {}
-    for asyn in (False, True):
-        llm = make_llm(tiny_llama_dir, asyn)
-        core = llm.core
-        core.add_request(
-            "a", [10, 20, 30, 40, 50, 60], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        )
+
+    def make_flaky(core):
         real_launch, calls = core.runner.launch_forward, [0]
 
-        def flaky(sched, feed=None, real_launch=real_launch, calls=calls):
+        def flaky(sched, feed=None):
             if feed is not None:
                 calls[0] += 1
                 if calls[0] == 2:  # the second lookahead launch
@@ -265,18 +267,5 @@ def test_a_lookahead_that_fails_to_launch_gives_back_its_slots(tiny_llama_dir):
             return real_launch(sched, feed=feed)
 
         core.runner.launch_forward = flaky
-        core.step()
-        (seq,) = core.scheduler.running
-        while core.has_unfinished():
-            with contextlib.suppress(RuntimeError):
-                core.step()
-        seq_tokens = list(seq.output_token_ids)
-        probe = [10, 20, 30, 40, 50, 60] + seq_tokens[:6] + [77]
-        (o,) = llm.generate(
-            prompt_token_ids=[probe],
-            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-        )
-        outs[asyn] = (seq_tokens, o.usage.cached_prompt_tokens, o.completions[0].token_ids)
-        assert_idle_and_free(llm)
-    assert outs[True] == outs[False]
-    assert outs[True][1] == 12
+
+    _keep_stepping_through_a_failure(tiny_llama_dir, make_flaky)
