@@ -55,12 +55,13 @@ def run_case(case: GemvCase, dtype: torch.dtype, device: str, seed: int = 0) -> 
     out = gemv(x, w, b, case.config)
     ref = F.linear(x.double(), w.double(), b.double() if b is not None else None)
     rel = float((out.double() - ref).norm() / ref.norm())
+    shape_ok = tuple(out.shape) == (case.rows, case.n) and out.dtype == dtype
     return {
         "name": case.name,
         "dtype": str(dtype).removeprefix("torch."),
         "rel_err": rel,
-        "shape_ok": tuple(out.shape) == (case.rows, case.n) and out.dtype == dtype,
-        "ok": rel <= TOLERANCE[dtype] and tuple(out.shape) == (case.rows, case.n) and out.dtype == dtype,
+        "shape_ok": shape_ok,
+        "ok": rel <= TOLERANCE[dtype] and shape_ok,
     }
 
 
