@@ -87,6 +87,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
     row["sdpa_backend"] = sdpa_name
     factories = {
         "triton": cases.ours_decode,
+        "unbounded": cases.ours_unbounded_decode,
         "fused": lambda x: cases.ours_variant_decode(x, merge=cases.SplitMerge.FUSED),
         "pdl": lambda x: cases.ours_variant_decode(x, merge=cases.SplitMerge.PDL),
         "sdpa": lambda x: cases.sdpa_decode(x, sdpa_name),
@@ -155,7 +156,7 @@ def _rows(result: dict, kind: str, model: str = cases.LLAMA.name) -> list[dict]:
 
 
 def _decode_lines(rows: list[dict]) -> list[str]:
-    names = ("triton", "fused", "pdl", "cuda", "sdpa", "gather")
+    names = ("triton", "unbounded", "fused", "pdl", "cuda", "sdpa", "gather")
     lines = [
         f"{'batch':>5} {'ctx':>5} | "
         + " | ".join(f"{n:>22}" for n in names)
@@ -204,7 +205,7 @@ def summarize(result: dict) -> str:
         floor_ms = b1[0]["kv_bytes"] / result["copy_gbps"] / 1e6
         got = ", ".join(
             f"{n} {b1[0][n]['ms'] * 1e3:.1f} us ({b1[0][n]['ms'] / floor_ms:.2f}x)"
-            for n in ("triton", "fused", "pdl")
+            for n in ("triton", "unbounded", "fused", "pdl")
             if "ms" in b1[0].get(n, {})
         )
         lines.append(f"llama batch 1 x ctx 8192: bandwidth floor {floor_ms * 1e3:.1f} us; {got}")

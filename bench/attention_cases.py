@@ -88,10 +88,18 @@ def ours_variant_decode(x: dict, **changes):
 
 
 def ours_decode(x: dict, config: DecodeConfig | None = None, num_splits: int | None = None):
+    """Our kernel as the engine's eager step calls it: told the longest context (SDPA gets it too,
+    as its tensors' length)."""
     args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"])
     if config is None and num_splits is None:
-        return lambda: ops.paged_decode_attention(*args)
+        return lambda: ops.paged_decode_attention(*args, max_context_len=x["context"])
     return lambda: triton_decode(*args, num_splits=num_splits, config=config)
+
+
+def ours_unbounded_decode(x: dict):
+    """Our kernel sized from the block table alone (the engine's CUDA-graph step, max_model_len wide)."""
+    args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"])
+    return lambda: ops.paged_decode_attention(*args)
 
 
 def _sdpa_decode_fn(q, k, v, scale, backend, form):

@@ -112,7 +112,8 @@ def _variants(batch: int) -> dict:
     out: dict = {}
     if v4 is not None:
         out["v4"] = lambda x: lambda: v4.paged_decode_attention(*_args(x))
-    out["default"] = lambda x: cases.ours_decode(x)
+    out["default"] = lambda x: cases.ours_decode(x)  # told the context length (max_context_len)
+    out["unbounded"] = lambda x: cases.ours_unbounded_decode(x)  # the table's width only
     if batch * cases.LLAMA.num_kv_heads < 16:
         for label, config in SMALL_GRID_VARIANTS.items():
             out[label] = lambda x, config=config: cases.ours_decode(x, config)

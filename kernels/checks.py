@@ -103,8 +103,14 @@ def _check_block_ids(block_tables: torch.Tensor, lens: torch.Tensor, block_size:
         _fail(f"block_tables entries in use must lie in [0, {num_blocks})")
 
 
-def check_decode(query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
+def check_decode(
+    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None
+) -> None:
     _check_attention_common(query, key_cache, value_cache, block_tables, scale)
+    if max_context_len is not None and (
+        isinstance(max_context_len, bool) or not isinstance(max_context_len, int) or max_context_len < 1
+    ):
+        _fail(f"max_context_len must be a positive int or None, got {max_context_len!r}")
     _check_index("context_lens", context_lens, 1, (torch.int32,))
     _check_same_device(query=query, context_lens=context_lens)
     num_seqs = query.shape[0]
@@ -115,6 +121,9 @@ def check_decode(query, key_cache, value_cache, block_tables, context_lens, scal
         )
     if context_lens.device.type == "cpu":
         _check_block_ids(block_tables, context_lens, key_cache.shape[1], key_cache.shape[0])
+        longest = int(context_lens.max()) if num_seqs else 0
+        if max_context_len is not None and longest > max_context_len:
+            _fail(f"max_context_len={max_context_len} is below the longest context length {longest}")
 
 
 def check_extend(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale) -> None:

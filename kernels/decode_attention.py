@@ -127,7 +127,7 @@ def _decode_kernel(
     stride_oh,
     head_dim,
     num_splits,
-    capacity,  # block_tables' columns * BLOCK_SIZE (CAPACITY_SPLITS only)
+    capacity,  # bound on the context lengths: table columns * BLOCK_SIZE or max_context_len
     IS_SPLIT: tl.constexpr,
     MERGE_FUSED: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
@@ -280,6 +280,19 @@ def _choose_merge(config: DecodeConfig, num_splits: int, num_programs: int, devi
     return merge
 
 
+def bounded_config(head_dim: int, device: torch.device, num_programs: int, bound: int) -> DecodeConfig | None:
+    """The small-grid config when the caller states a bound on every context length
+    (`max_context_len`, as vLLM's max_seq_len): split bounds follow the bound, so each program's
+    first block-id loads need not wait for its context length (NOTES.md v5 run B / v7, H200:
+    1x8192 64-token tiles 15.6 us vs 16.0; 1x2048 32-token tiles 8.25 vs 8.37; 1x512 64-token
+    tiles 5.8 vs 6.1). None where the unbounded default applies (large grids, other head dims)."""
+    if device.type != "cuda" or num_programs >= SMALL_GRID or head_dim != 128:
+        return None
+    if SMALL_GRID_MIN_CONTEXT <= bound < 2 * SMALL_GRID_MIN_CONTEXT:
+        return DecodeConfig(block_n=32, q_in_loop=True, min_split_tokens=32, capacity_splits=True)
+    return DecodeConfig(block_n=64, q_in_loop=True, capacity_splits=True)
+
+
 def default_config(
     head_dim: int, device: torch.device, num_programs: int | None = None, max_context: int = 0
 ) -> DecodeConfig:
@@ -308,12 +321,20 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """query [S, H, D] -> out [S, H, D]; arguments already checked by ops.paged_decode_attention."""
+    """query [S, H, D] -> out [S, H, D]; arguments already checked by ops.paged_decode_attention.
+
+    max_context_len: a host-side bound on every context length (callers that know it: eager
+    steps, benchmarks); it must not be below any of them. None: the block table's capacity.
+    """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
+    if max_context_len is not None:
+        max_context = max(1, min(max_context, max_context_len))
+        config = config or bounded_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
     config = config or default_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
     if num_splits is None:
         num_splits = default_num_splits(
@@ -362,7 +383,7 @@ def paged_decode_attention(
         out.stride(1),
         head_dim,
         num_splits,
-        block_tables.shape[1] * block_size,
+        max_context,
         IS_SPLIT=num_splits > 1,
         MERGE_FUSED=merge is SplitMerge.FUSED,
         LAUNCH_DEPENDENTS=merge is SplitMerge.PDL,

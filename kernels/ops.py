@@ -63,20 +63,30 @@ def paged_decode_attention(
     scale: float,
     backend: str | None = None,
     num_splits: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """query [num_seqs, num_heads, head_dim] -> out of the same shape and dtype.
 
     context_lens int32 [num_seqs] include the token being decoded. num_splits (Triton only)
     fixes the split-K factor; None picks it from the batch shape so the grid fills the GPU.
+    max_context_len (optional, a host int >= every context length, like vLLM's max_seq_len)
+    lets the Triton kernel size its splits from it instead of the block table's width.
     """
-    checks.check_decode(query, key_cache, value_cache, block_tables, context_lens, scale)
+    checks.check_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     if select_backend(query.device, backend) == "triton":
         from pagedinfer.kernels import decode_attention
 
         return decode_attention.paged_decode_attention(
-            query, key_cache, value_cache, block_tables, context_lens, float(scale), num_splits
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            float(scale),
+            num_splits,
+            max_context_len=max_context_len,
         )
     return reference.paged_decode_attention(
         query, key_cache, value_cache, block_tables, context_lens, float(scale)

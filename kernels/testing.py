@@ -42,6 +42,7 @@ class AttentionCase:
     shared_blocks: int = 0  # leading blocks every sequence shares (a common prefix)
     merge: str | None = None  # decode, Triton: "kernel" / "pdl" / "fused" (DecodeConfig.merge); None: default
     repeat_splits: tuple[int, ...] = ()  # decode: call again with each split count (fused counters reset)
+    max_context_len: int | None = None  # decode, Triton: the host-side bound on the contexts
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ def _run_attention(case: AttentionCase, x: dict, backend: str, upcast: bool) -> 
             fn_decode, kw = da.paged_decode_attention, {"config": config}
         if backend != "reference64":
             kw["num_splits"] = case.num_splits
+            if case.max_context_len is not None:
+                kw["max_context_len"] = case.max_context_len
         return fn_decode(q, kc, vc, x["block_tables"], x["lens"], x["scale"], **kw)
     return fn_extend(
         q, kc, vc, x["block_tables"], x["query_start_loc"], x["lens"], x["scale"], x["max_query_len"], **kw

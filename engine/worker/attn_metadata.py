@@ -46,6 +46,9 @@ class AttentionMetadata:
     max_seq_len: int
     is_pure_decode: bool
     backend: str | None = None  # attention backend: None/"auto", "triton" or "reference"
+    # max_seq_len is this batch's longest context (eager), not just the tables' capacity (graphs):
+    # only then may the decode kernel size its splits from it
+    max_seq_len_exact: bool = True
 
     @property
     def context_lens(self) -> torch.Tensor:

@@ -190,6 +190,7 @@ class InputBatch:
             max_seq_len=self.max_seq_len,
             is_pure_decode=graph.query_len == 1,
             backend=self.backend,
+            max_seq_len_exact=False,
         )
 
     def _copy(self, num_tokens: int, num_seqs: int, num_logits: int) -> None:

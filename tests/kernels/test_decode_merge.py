@@ -49,3 +49,16 @@ def test_small_grid_config_choice():
     assert da.default_config(128, cuda, 8, 2048) == small
     for args in ((128, cuda, 8, 1024), (128, cuda, 16, 8192), (64, cuda, 3, 8192), (128, cuda)):
         assert da.default_config(*args) == da.DecodeConfig()
+
+
+def test_bounded_config_choice():
+    """Told the longest context: capacity splits for small grids at head_dim 128, 32-token tiles
+    for bounds of 2048-4095 tokens, 64 otherwise; nothing for large grids, other head dims, CPU."""
+    cuda = torch.device("cuda")
+    assert da.bounded_config(128, cuda, 8, 8192) == da.DecodeConfig(64, q_in_loop=True, capacity_splits=True)
+    assert da.bounded_config(128, cuda, 8, 512) == da.DecodeConfig(64, q_in_loop=True, capacity_splits=True)
+    mid = da.bounded_config(128, cuda, 8, 2048)
+    assert (mid.block_n, mid.min_split_tokens, mid.capacity_splits) == (32, 32, True)
+    assert da.bounded_config(128, cuda, 8, 4095) == mid
+    for args in ((128, cuda, 16, 8192), (64, cuda, 3, 8192), (128, torch.device("cpu"), 8, 8192)):
+        assert da.bounded_config(*args) is None

@@ -143,6 +143,32 @@ def test_small_grid_config_with_wide_tables(block_n, merge, capacity_splits):
         assert rel <= TOLERANCE[torch.bfloat16], (lens, num_splits, rel)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_told_the_longest_context(dtype):
+    """max_context_len (the eager engine step's longest context) picks the bounded small-grid
+    config, whose splits follow that bound even in tables wider than it; batch >= 2 sequences and
+    a bound above the longest context too."""
+    from pagedinfer.kernels import decode_attention as da
+
+    gen = torch.Generator().manual_seed(5)
+    tables, num_blocks = make_block_tables([8192, 8192], 16, 0, gen)
+    cache_shape = (num_blocks, 16, 8, 128)
+    kc, vc = (torch.randn(cache_shape, generator=gen).to("cuda", dtype) for _ in range(2))
+    tables = tables.cuda()
+    for lens, bound in (([8192], 8192), ([2048], 2048), ([3000], 4000), ([512], 512), ([300, 7], 400)):
+        if len(lens) == 1:  # the bounded config is for small grids (< 16 programs)
+            assert da.bounded_config(128, kc.device, 8, bound).capacity_splits
+        context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        query = torch.randn(len(lens), 32, 128, generator=gen).to("cuda", dtype)
+        rows = tables[: len(lens)]
+        out = ops.paged_decode_attention(query, kc, vc, rows, context_lens, 128**-0.5, max_context_len=bound)
+        ref = reference.paged_decode_attention(
+            query.double(), kc.double(), vc.double(), rows, context_lens, 128**-0.5
+        )
+        rel = float((out.double() - ref).norm() / ref.norm())
+        assert rel <= TOLERANCE[dtype], (lens, bound, rel)
+
+
 @triton.jit
 def _slow_write_kernel(src_k, src_v, key_cache, value_cache, idx_ptr, num, spin, one, BLOCK: tl.constexpr):
     """cache[idx[i]] = src[i] (K and V), after ~spin dependent multiplies: PDL dependents start first."""

@@ -142,6 +142,10 @@ def test_extend_and_write_reject_bad_arguments():
     with pytest.raises(ValueError, match="below the longest query"):
         qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
         ops.paged_extend_attention(q, kc, vc, tables, qsl, lens, scale, max_query_len=0)
+    with pytest.raises(ValueError, match="max_context_len=1 is below the longest context length"):
+        ops.paged_decode_attention(q, kc, vc, tables, lens, scale, max_context_len=1)
+    with pytest.raises(ValueError, match="max_context_len must be a positive int"):
+        ops.paged_decode_attention(q, kc, vc, tables, lens, scale, max_context_len=0)
     bad_tables = tables.clone()
     bad_tables[0, 0] = kc.shape[0]
     with pytest.raises(ValueError, match="block_tables entries in use"):

@@ -50,6 +50,11 @@ SMALL_GRID_CASES = (
         num_splits=2, merge="fused", repeat_splits=(1, 5)), 16, True, False),
     (_C("small_d80_pdl", "decode", (9, 24, 31), num_heads=4, num_kv_heads=4, head_dim=80, num_splits=2,
         merge="pdl"), 16, False, False),
+    # bounded: splits sized from max_context_len (below the table's width), not the table
+    (_C("small_bounded_cap", "decode", (0, 1, 70, 130), num_splits=3, shared_blocks=2, max_context_len=130),
+        16, True, False),
+    (_C("small_bounded_loose_cap", "decode", (47, 100), num_heads=8, num_kv_heads=2, head_dim=128, block_size=8,
+        max_context_len=103), 32, True, False),
     (_C("pdl_split1", "decode", (1, 15, 16, 17, 33, 70), num_heads=9, num_kv_heads=3, num_splits=1), 16, False, True),
     (_C("pdl_ragged_splits", "decode", (0, 1, 70, 130), num_splits=3, shared_blocks=2), 16, False, True),
     (_C("pdl_ragged_splits_cap", "decode", (0, 1, 70, 130), num_splits=3, shared_blocks=2), 16, True, True),

@@ -53,8 +53,16 @@ class PagedAttention(nn.Module):
 
     def _attend(self, q, key_cache, value_cache, md: AttentionMetadata) -> torch.Tensor:
         if md.is_pure_decode:
+            bound = md.max_seq_len if md.max_seq_len_exact else None
             return ops.paged_decode_attention(
-                q, key_cache, value_cache, md.block_tables, md.seq_lens, self.scale, backend=md.backend
+                q,
+                key_cache,
+                value_cache,
+                md.block_tables,
+                md.seq_lens,
+                self.scale,
+                backend=md.backend,
+                max_context_len=bound,
             )
         return ops.paged_extend_attention(
             q,
