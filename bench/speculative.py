@@ -54,7 +54,11 @@ def _load_bench_module(name: str):
     return module
 
 
-run_engine_requests = _load_bench_module("throughput_lib").run_engine_requests
+_throughput_lib = _load_bench_module("throughput_lib")
+run_engine_requests, run_engine_closed_loop = (
+    _throughput_lib.run_engine_requests,
+    _throughput_lib.run_engine_closed_loop,
+)
 spec_pair = _load_bench_module("spec_pair")
 
 TEXTS = [
@@ -276,8 +280,28 @@ def phase_medians(run, batch: int) -> dict[str, float]:
     return {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]} if phases else {}
 
 
+def refilled(core, pool: list[list[int]], batch: int, max_tokens: int, speculate: bool):
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, use_speculation=speculate
+    )
+    return run_engine_closed_loop(core, pool, params, batch)
+
+
+def refilled_row(base, fast, row: dict) -> dict:
+    """A batch kept full by new requests (continuous batching's steady state), both modes on the
+    same pool of prompts; the formula's alpha and c come from the fixed-batch run of the row."""
+    speedup = fast.steady_tok_s / base.steady_tok_s
+    return {
+        "refilled_base_tok_s": round(base.steady_tok_s, 2),
+        "refilled_spec_tok_s": round(fast.steady_tok_s, 2),
+        "refilled_steps": [base.steady_steps, fast.steady_steps],
+        "refilled_speedup": round(speedup, 3),
+        "refilled_over_theoretical": round(speedup / row["theoretical_speedup"], 3),
+    }
+
+
 def run_workload(
-    w: Workload, batches: list[int], ks: list[int], max_tokens: int, num_blocks: int
+    w: Workload, batches: list[int], ks: list[int], max_tokens: int, num_blocks: int, refill: int = 0
 ) -> list[dict]:
     core, rows = w.llm.core, []
     warm = w.prompts(1)
@@ -296,6 +320,13 @@ def run_workload(
                 core, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
             )
             row = measure(core, prompts, *bases[batch], max_tokens, k)
+            if refill:
+                pool = w.prompts(refill * batch)
+                if ("loop", batch) not in bases:
+                    bases["loop", batch] = refilled(core, pool, batch, max_tokens, False)
+                row.update(
+                    refilled_row(bases["loop", batch], refilled(core, pool, batch, max_tokens, True), row)
+                )
             rows.append(row)
             print(w.name, json.dumps(row), flush=True)
     return rows
@@ -370,8 +401,16 @@ def pair_workload(args, ks: list[int]) -> Workload:
             for _ in range(batch)
         ]
 
-    cached = {b: prompts(b) for b in sorted({1, *[int(x) for x in args.batches.split(",")]})}
-    return Workload("pair", llm, lambda b: cached[b], spec_config, {"construction": asdict(construction)})
+    cached: dict[int, list[list[int]]] = {}
+
+    def prompts_of(batch: int) -> list[list[int]]:  # the same prompts for a size, every call
+        if batch not in cached:
+            cached[batch] = prompts(batch)
+        return cached[batch]
+
+    for b in sorted({1, *[int(x) for x in args.batches.split(",")]}):
+        prompts_of(b)
+    return Workload("pair", llm, prompts_of, spec_config, {"construction": asdict(construction)})
 
 
 def main() -> None:
@@ -393,6 +432,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="pair: random prompt tokens")
     parser.add_argument("--smoke", action="store_true", help="pair at toy size (CPU check of the code)")
     parser.add_argument(
+        "--refill",
+        type=int,
+        default=4,
+        help="also run B x REFILL requests with B in flight (each finished one replaced); 0: off",
+    )
+    parser.add_argument(
         "--min-acceptance-rate",
         type=float,
         default=None,
@@ -410,7 +455,7 @@ def main() -> None:
             print(f"{name}: skipped, the model could not be built: {type(exc).__name__}: {exc}", flush=True)
             results["workloads"][name] = {"skipped": f"{type(exc).__name__}: {exc}", "rows": []}
             continue
-        rows = run_workload(w, batches, ks, args.max_tokens, args.num_blocks)
+        rows = run_workload(w, batches, ks, args.max_tokens, args.num_blocks, args.refill)
         results["workloads"][name] = {
             **w.info,
             "rows": rows,
@@ -444,7 +489,7 @@ def _summary(results: dict) -> str:
     lines = [f"speculative decoding on {results['machine']['device']} (greedy)"]
     lines.append(
         f"{'workload':9} {'B':>2} {'K':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>15} {'alpha':>6} "
-        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'steps':>7} paused same"
+        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same"
     )
     for name, workload in results["workloads"].items():
         if "skipped" in workload:
@@ -456,6 +501,7 @@ def _summary(results: dict) -> str:
                 f"{r['theoretical_speedup']:>6} {r['measured_speedup']:>6} "
                 f"{r['measured_over_theoretical']:>6} {r.get('measured_speedup_full_batch')!s:>6} "
                 f"{r.get('full_batch_over_theoretical')!s:>6} "
+                f"{r.get('refilled_speedup', '-')!s:>6} {r.get('refilled_over_theoretical', '-')!s:>6} "
                 f"{r.get('full_batch_steps', '-')!s:>3}/{r.get('all_steps', '-')!s:<3} "
                 f"{r.get('paused_sequence_steps', '-')!s:>6} {r['identical_outputs']}"
             )

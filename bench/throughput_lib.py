@@ -86,6 +86,54 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
     )
 
 
+@dataclass
+class ClosedLoopRun:
+    """A batch kept at `concurrency` sequences: each finished request is replaced at once by the
+    next prompt of the pool. The steady part ends with the step that admits the pool's last
+    prompt (after it the batch drains)."""
+
+    steady_seconds: float
+    steady_output_tokens: int
+    steady_steps: int
+    seconds: float
+    output_tokens: int
+
+    @property
+    def steady_tok_s(self) -> float:
+        return self.steady_output_tokens / self.steady_seconds if self.steady_seconds else 0.0
+
+
+def run_engine_closed_loop(
+    core, prompts: list[list[int]], params: SamplingParams, concurrency: int
+) -> ClosedLoopRun:
+    """Run the prompts with `concurrency` in flight (the next one submitted when one finishes)."""
+    pending = list(enumerate(prompts))
+    tag = uuid.uuid4().hex[:8]
+    in_flight, steady = 0, None
+    steps, output_tokens = 0, 0
+    start = time.perf_counter()
+
+    def submit() -> None:
+        nonlocal in_flight
+        while pending and in_flight < concurrency:
+            i, prompt = pending.pop(0)
+            core.add_request(f"loop-{tag}-{i}", prompt, params)
+            in_flight += 1
+
+    submit()
+    while core.has_unfinished():
+        for out in core.step():
+            output_tokens += sum(len(d.token_ids) for d in out.deltas)
+            in_flight -= int(out.finished)
+        steps += 1
+        if steady is None and not pending:  # the pool's last prompt went in during the previous step
+            steady = (time.perf_counter() - start, output_tokens, steps)
+        submit()
+    seconds = time.perf_counter() - start
+    steady = steady or (seconds, output_tokens, steps)
+    return ClosedLoopRun(steady[0], steady[1], steady[2], seconds, output_tokens)
+
+
 def copy_bandwidth_gbps(num_bytes: int = 1 << 30, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth counting bytes read + written (GB/s)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
