@@ -65,6 +65,7 @@ class SpeculativeDecoder:
             return 0
         candidates: list[Request] = []
         requests: list[DraftRequest] = []
+        paused: list[tuple[Request, int]] = []
         for seq in running:  # one pass: the policy is asked only for sequences that may draft
             max_drafts = self._max_drafts(seq)
             if max_drafts <= 0:
@@ -73,8 +74,17 @@ class SpeculativeDecoder:
                 candidates.append(seq)
                 requests.append(DraftRequest(_row(seq), max_drafts, seq.eos_token_ids))
             else:
-                self.stats.num_paused_sequence_steps += 1
-        if not candidates:
+                paused.append((seq, max_drafts))
+        if candidates:
+            # A pause saves only what a sequence's own drafts cost. With others drafting, the draft
+            # model steps anyway and, below max_batch_size, K more verification rows leave the
+            # memory-bound step's time unchanged: paused sequences ride along. Pausing them there
+            # would make them the batch's slowest for nothing (bench/NOTES.md, speculative b8).
+            for seq, max_drafts in paused:
+                candidates.append(seq)
+                requests.append(DraftRequest(_row(seq), max_drafts, seq.eos_token_ids))
+        else:
+            self.stats.num_paused_sequence_steps += len(paused)
             return 0
         proposals = self.proposer.propose(requests)
         self._known.update(seq.seq_id for seq in candidates)

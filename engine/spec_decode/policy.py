@@ -4,7 +4,10 @@ Speculation pays when decoding is memory-bound: at large batches the K extra ver
 per sequence cost real compute, so the whole step goes without drafts above `max_batch_size`.
 A sequence whose drafts keep being rejected pays K rows for nothing: once its exponentially
 averaged acceptance rate falls below `min_acceptance_rate` it pauses, and probes again after
-`probe_interval` steps so a sequence that turns repetitive later can benefit again.
+`probe_interval` steps so a sequence that turns repetitive later can benefit again. A pause
+takes effect only in steps where no other sequence drafts (SpeculativeDecoder.propose): there it
+saves the draft model's steps and the verification; beside drafting sequences it would save
+nothing measurable.
 """
 
 from __future__ import annotations
