@@ -1,7 +1,7 @@
 """Small-grid decode (issue 3): the v4 kernel against the current one and its knobs, interleaved.
 
     python bench/decode_tune_b1.py --out DIR [--shapes 1x8192,1x2048w8192,...] [--rounds 3]
-        [--set v5|pdl]
+        [--set v5|pdl|bound]
 
 A shape is BATCHxCONTEXT, or BATCHxCONTEXTwCAPACITY for a block table wider than the context
 (as in the engine, whose tables are sized for the longest context). Every variant is timed like
@@ -57,6 +57,19 @@ PDL_VARIANTS = {
     "64/4/3": DecodeConfig(),
     "64/4/3 +pdl": DecodeConfig(pdl_prologue=True),
 }
+# --set bound (v7): configs told the context length (max_context_len), for the 1x8192 latency.
+BOUNDED = {"capacity_splits": True, "q_in_loop": True}
+BOUND_VARIANTS = {
+    "b 64/4/3 (default)": DecodeConfig(64, 4, 3, **BOUNDED),
+    "b 64/8/3": DecodeConfig(64, 8, 3, **BOUNDED),
+    "b 64/4/4": DecodeConfig(64, 4, 4, **BOUNDED),
+    "b 64/4/3 reg128": DecodeConfig(64, 4, 3, maxnreg=128, **BOUNDED),
+    "b 128/8/3": DecodeConfig(128, 8, 3, **BOUNDED),
+    "b 128/8/3 32spl": DecodeConfig(128, 8, 3, min_split_tokens=256, **BOUNDED),
+    "b 64/4/3 32spl": DecodeConfig(64, 4, 3, min_split_tokens=256, **BOUNDED),
+    "b 32/2/3": DecodeConfig(32, 2, 3, min_split_tokens=32, **BOUNDED),
+    "b 64/4/3 kernel": DecodeConfig(64, 4, 3, SplitMerge.KERNEL, **BOUNDED),
+}
 ROTARY_VARIANTS = ("v5 small", "v5 small +pdl")  # also timed after the rotary + cache-write kernel
 
 
@@ -107,6 +120,17 @@ def _pdl_variants(batch: int) -> dict:
     return out
 
 
+def _bound_variants(batch: int) -> dict:
+    out: dict = {"default": lambda x: cases.ours_decode(x), "unbounded": cases.ours_unbounded_decode}
+    if batch * cases.LLAMA.num_kv_heads >= 16:
+        return out
+    for label, config in BOUND_VARIANTS.items():
+        out[label] = lambda x, config=config: (
+            lambda: cases.triton_decode(*_args(x), config=config, max_context_len=x["context"])
+        )
+    return out
+
+
 def _variants(batch: int) -> dict:
     v4 = _v4_module()
     out: dict = {}
@@ -131,7 +155,7 @@ def run_shape(shape: str, rounds: int, rep_ms: int, log, variant_set: str = "v5"
     kv_bytes = cases.decode_kv_bytes(batch, capacity)
     sets = [_inputs(batch, context, capacity) for _ in range(min(64, -(-bench.ROTATE_BYTES // kv_bytes)))]
     ref = cases.ours_decode(sets[0])()
-    variants = _variants(batch) if variant_set == "v5" else _pdl_variants(batch)
+    variants = {"v5": _variants, "pdl": _pdl_variants, "bound": _bound_variants}[variant_set](batch)
     rows = []
     for r in range(rounds):
         for label, factory in variants.items():
@@ -170,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument(
-        "--set", choices=("v5", "pdl"), default="v5", help="variants: v5 tiles or the PDL prologue"
+        "--set",
+        choices=("v5", "pdl", "bound"),
+        default="v5",
+        help="variants: v5 tiles, the PDL prologue, or configs told the context length",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
