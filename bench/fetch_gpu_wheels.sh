@@ -16,7 +16,7 @@ done
 # Versions match the CPU venv so generated protobuf/gRPC code behaves the same on both machines.
 PKGS=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5
-  annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.55.0 httptools==0.9.0 websockets==17.4
+  annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.55.0 httptools==0.9.0 uvloop==0.23.0 websockets==17.4
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
   gguf==0.19.0 openai==3.57.0 jiter==0.19.0 distro sniffio==1.3.1 anyio==4.16.0
   opentelemetry-api==1.45.2 annotated-doc grpcio-tools==1.85.1 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 idna==3.20 certifi

@@ -17,9 +17,12 @@ routing, middleware, validation, prompt handling, the hand-off to the engine cor
   request, median [min-max] over interleaved rounds, and time to first SSE chunk p50/p99.
 - `--tree DIR` serves another checkout's `pagedinfer` (DIR/pagedinfer/engine/...) as the
   "before" config, interleaved with the working tree.
+- `--loops asyncio,uvloop` runs each server once per event loop (uvicorn's names, picked the
+  way `pagedinfer serve --loop` picks them), interleaved; the configs are named by loop.
 - `--profile FILE`: cProfile of one server's event-loop thread over the bursts.
 
 Run: .venv/bin/python bench/request_cost.py [--rounds 7] [--bursts 4] [--tree /tmp/before]
+     [--loops asyncio,uvloop]
 """
 
 from __future__ import annotations
@@ -279,12 +282,12 @@ def _core_pid(pid: int) -> int | None:
 
 
 class _Server:
-    def __init__(self, label: str, engine: str, tree: str | None, args) -> None:
+    def __init__(self, label: str, engine: str, tree: str | None, loop: str, args) -> None:
         self.label, self.engine = label, engine
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        argv = [sys.executable, __file__, "--serve", str(self.port), "--engine", engine]
+        argv = [sys.executable, __file__, "--serve", str(self.port), "--engine", engine, "--loop", loop]
         argv += ["--step-ms", str(args.step_ms)]
         if args.api_key:
             argv += ["--api-key", args.api_key]
@@ -371,6 +374,18 @@ def _summary(rounds: list[dict]) -> dict:
     return out
 
 
+def _variants(args) -> list[tuple[str, str | None, str]]:
+    """(label, tree, loop) per server; a label names the loop only when several are compared."""
+    trees = ([("before", args.tree)] if args.tree else []) + [("after", None)]
+    loops = args.loops.split(",")
+    out = []
+    for tree_label, tree in trees:
+        for loop in loops:
+            parts = ([tree_label] if args.tree else []) + ([loop] if len(loops) > 1 else [])
+            out.append(("-".join(parts) or "after", tree, loop))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
@@ -381,6 +396,7 @@ def main() -> int:
     p.add_argument("--engines", default="direct,remote")
     p.add_argument("--endpoints", default="completions,chat", help="chat runs on the direct engine only")
     p.add_argument("--tree", default=None, help="DIR holding DIR/pagedinfer/engine: served as 'before'")
+    p.add_argument("--loops", default="auto", help="comma-separated: auto, asyncio, uvloop")
     p.add_argument("--api-key", default=None)
     p.add_argument("--profile", default=None, help="cProfile of one server (--profile-label) to FILE")
     p.add_argument("--profile-label", default="after/direct")
@@ -388,18 +404,21 @@ def main() -> int:
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--engine", default="direct", help=argparse.SUPPRESS)
     p.add_argument("--admit-log", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--loop", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve is not None:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve_main(args))
+        import uvicorn
+
+        # as serve.event_loop_factory picks it (inlined: a --tree checkout may predate it)
+        loop_factory = uvicorn.Config(app=None, loop=args.loop, log_config=None).get_loop_factory()
+        with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(_serve_main(args))
         return 0
-    trees = [("before", args.tree)] if args.tree else []
-    trees.append(("after", None))
     servers: list[tuple[_Server, str]] = []
     try:
         for engine in args.engines.split(","):
-            for label, tree in trees:
-                server = _Server(f"{label}/{engine}", engine, tree, args)
+            for label, tree, loop in _variants(args):
+                server = _Server(f"{label}/{engine}", engine, tree, loop, args)
                 for endpoint in args.endpoints.split(","):
                     if endpoint == "chat" and engine == "remote":
                         continue

@@ -73,6 +73,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "(default: on when serving on a GPU, off on the CPU)",
     )
     srv.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="event loop of the HTTP and gRPC servers (auto: uvloop where installed, else asyncio)",
+    )
+    srv.add_argument(
         "--gil-switch-interval-ms",
         type=float,
         default=None,
@@ -168,4 +174,4 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
     apply_process_settings(args)
     loader = engine_process_loader if wants_engine_process(args) else default_loader
-    return run_server(engine_config_from_args(args), server_config_from_args(args), loader)
+    return run_server(engine_config_from_args(args), server_config_from_args(args), loader, loop=args.loop)
