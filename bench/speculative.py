@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -281,9 +282,19 @@ def phase_medians(run, batch: int) -> dict[str, float]:
 
 
 def refilled(core, pool: list[list[int]], batch: int, max_tokens: int, speculate: bool):
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, use_speculation=speculate
-    )
+    """Output lengths drawn per request (seeded: the same in both modes) from max_tokens / 2 to
+    3 max_tokens / 2, as real traffic has them: plain decoding then also finishes and admits
+    sequences at different steps, not all B at once."""
+    rng = random.Random(len(pool))
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(max(2, max_tokens // 2), 3 * max_tokens // 2),
+            temperature=0.0,
+            ignore_eos=True,
+            use_speculation=speculate,
+        )
+        for _ in pool
+    ]
     return run_engine_closed_loop(core, pool, params, batch)
 
 
@@ -435,7 +446,7 @@ def main() -> None:
         "--refill",
         type=int,
         default=4,
-        help="also run B x REFILL requests with B in flight (each finished one replaced); 0: off",
+        help="also run B x REFILL requests (output lengths drawn around --max-tokens) with B in flight, each finished one replaced; 0: off",
     )
     parser.add_argument(
         "--min-acceptance-rate",

@@ -104,9 +104,11 @@ class ClosedLoopRun:
 
 
 def run_engine_closed_loop(
-    core, prompts: list[list[int]], params: SamplingParams, concurrency: int
+    core, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], concurrency: int
 ) -> ClosedLoopRun:
-    """Run the prompts with `concurrency` in flight (the next one submitted when one finishes)."""
+    """Run the prompts with `concurrency` in flight (the next one submitted when one finishes);
+    params: one for all, or one per prompt."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     pending = list(enumerate(prompts))
     tag = uuid.uuid4().hex[:8]
     in_flight, steady = 0, None
@@ -117,7 +119,7 @@ def run_engine_closed_loop(
         nonlocal in_flight
         while pending and in_flight < concurrency:
             i, prompt = pending.pop(0)
-            core.add_request(f"loop-{tag}-{i}", prompt, params)
+            core.add_request(f"loop-{tag}-{i}", prompt, per_prompt[i])
             in_flight += 1
 
     submit()
