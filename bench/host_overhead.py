@@ -60,7 +60,9 @@ class StubModel(torch.nn.Module):
         self.seconds += self.clock() - t0
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, upcast: bool = True, backend: str | None = None
+    ) -> torch.Tensor:
         t0 = self.clock()
         token = (hidden.long() * 7 + 3) % self.config.vocab_size  # [N, 1]
         logits = torch.zeros(hidden.shape[0], self.config.vocab_size, device=hidden.device)  # [N, V]

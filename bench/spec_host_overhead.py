@@ -58,7 +58,9 @@ class PeriodicStub(torch.nn.Module):
         self.seconds += self.clock() - t0
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, upcast: bool = True, backend: str | None = None
+    ) -> torch.Tensor:
         t0 = self.clock()
         logits = torch.zeros(hidden.shape[0], self.config.vocab_size)  # [N, V]
         logits.scatter_(1, hidden.long(), 1.0)

@@ -117,14 +117,17 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual, backend=attn_metadata.backend)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, upcast: bool = True, backend: str | None = None
+    ) -> torch.Tensor:
         """hidden [N, hidden] (only the rows that need logits) -> logits [N, vocab] float32.
 
         upcast=False keeps the GEMM's dtype (no [N, vocab] fp32 copy): enough for plain greedy
         batches (engine.sample.sampler.is_plain_greedy), whose argmax is the same either way.
+        backend "reference" keeps torch's GEMM (as the layers do under a forced reference backend).
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight)  # [N, vocab] in the model dtype
+        logits = linear(hidden, weight, None, backend)  # [N, vocab] in the model dtype
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -216,7 +216,10 @@ class ModelRunner:
         # A plain greedy batch samples (or verifies, see SpecVerifier) the argmax of the GEMM's own
         # output: no fp32 copy of [N, V].
         upcast = not is_plain_greedy(meta)
-        logits = self.model.compute_logits(fwd.hidden[fwd.logits_indices], upcast=upcast)  # [N, V]
+        hidden = fwd.hidden[fwd.logits_indices]
+        logits = self.model.compute_logits(
+            hidden, upcast=upcast, backend=self.config.attention_backend
+        )  # [N, V]
         if speculative:
             return PendingStep(start, rows, groups, meta, logits, None)  # rejection sampling in collect
         sampled = self.sampler(logits, meta)

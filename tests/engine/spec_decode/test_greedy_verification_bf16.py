@@ -81,7 +81,7 @@ def fp32_logits_baseline(tiny_llama_dir) -> dict[str, list[list[int]]]:
     llm = make_llm(tiny_llama_dir)
     model = llm.core.runner.model
     compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden, upcast=True: compute_logits(hidden, upcast=True)
+    model.compute_logits = lambda hidden, upcast=True, backend=None: compute_logits(hidden, True, backend)
     assert model.dtype == torch.bfloat16
     out = {"greedy": generate(llm, GREEDY), "penalized": generate(llm, PENALIZED)}
     assert out["greedy"] != out["penalized"]  # penalties change tokens: skipping them would show
