@@ -95,6 +95,8 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
     }
     if args.cuda_lib is not None and cases.cuda_supported(heads):
         factories["cuda"] = lambda x: cases.cuda_decode(x, args.cuda_lib)
+    if not cases.decode_splits(sets[0]) > 1:  # no split-K here: the merge variants are the same kernel
+        del factories["fused"], factories["pdl"]
     for name, factory in factories.items():
         fns = [factory(x) for x in sets]
         try:

@@ -96,6 +96,14 @@ def ours_decode(x: dict, config: DecodeConfig | None = None, num_splits: int | N
     return lambda: triton_decode(*args, num_splits=num_splits, config=config)
 
 
+def decode_splits(x: dict) -> int:
+    """The split-K factor our default call takes for these inputs."""
+    from pagedinfer.kernels.decode_attention import default_num_splits
+
+    batch, kv_heads = x["block_tables"].shape[0], x["key_cache"].shape[2]
+    return default_num_splits(batch, kv_heads, x["context"], x["query"].device)
+
+
 def ours_unbounded_decode(x: dict):
     """Our kernel sized from the block table alone (the engine's CUDA-graph step, max_model_len wide)."""
     args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["context_lens"], x["scale"])
