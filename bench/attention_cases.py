@@ -316,9 +316,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
-    names = ["triton", "fused", "pdl", "cuda", "sdpa", "gather"]
+    names = ["triton", "unbounded", "fused", "pdl", "cuda", "sdpa", "gather"]
     rows = [r for r in result["decode"] if r.get("model", LLAMA.name) == LLAMA.name]
-    width = 0.14
+    width = 0.12
     for i, name in enumerate(names):
         xs = [j + i * width for j, r in enumerate(rows) if "gbps" in r.get(name, {})]
         ys = [r[name]["gbps"] for r in rows if "gbps" in r.get(name, {})]
