@@ -3,7 +3,8 @@
 Speculation pays when decoding is memory-bound: at large batches the K extra verification rows
 per sequence cost real compute, so the whole step goes without drafts above `max_batch_size`.
 A sequence whose drafts keep being rejected pays K rows for nothing: once its exponentially
-averaged acceptance rate falls below `min_acceptance_rate` it pauses, and probes again after
+averaged per-token acceptance rate (accepted over the draft positions checked up to the first
+rejection) falls below `min_acceptance_rate` it pauses, and probes again after
 `probe_interval` steps so a sequence that turns repetitive later can benefit again. A pause
 takes effect only in steps where no other sequence drafts (SpeculativeDecoder.propose): there it
 saves the draft model's steps and the verification; beside drafting sequences it would save
@@ -72,7 +73,11 @@ class SpeculationPolicy:
         if num_drafts <= 0:
             return
         stats = self._seqs.setdefault(seq_id, _SequenceStats())
-        rate = num_accepted / num_drafts
+        # Per-token acceptance, independent of K: drafts are checked in order up to the first
+        # rejection, so accepted + (1 if one was rejected) positions were tried. (accepted / K
+        # would read alpha 0.46 at K 4 as 0.2 and pause sequences that pay.)
+        tried = num_accepted + (1 if num_accepted < num_drafts else 0)
+        rate = num_accepted / tried
         stats.acceptance_ema = self.ema_decay * stats.acceptance_ema + (1 - self.ema_decay) * rate
         stats.num_observations += 1
         if (

@@ -32,6 +32,21 @@ def test_low_acceptance_pauses_then_probes_again():
     assert policy.should_speculate(99)  # unknown sequences always try
 
 
+def test_the_pause_reads_per_token_acceptance_whatever_k():
+    """One accepted draft then a rejection is a per-token rate of 1/2 at any K: a sequence with
+    alpha ~0.5 keeps speculating at K 6 (accepted / K would read 1/6 and pause it)."""
+    for k in (2, 6):
+        policy = SpeculationPolicy(SpeculativeConfig(method="ngram", min_acceptance_rate=0.3))
+        for _ in range(30):
+            policy.observe(3, k, 1)
+            assert policy.should_speculate(3), k
+        assert abs(policy._seqs[3].acceptance_ema - 0.5) < 0.01
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", min_acceptance_rate=0.3))
+    for _ in range(30):  # all K accepted: rate 1
+        policy.observe(4, 6, 6)
+    assert policy._seqs[4].acceptance_ema > 0.99
+
+
 def test_high_acceptance_never_pauses():
     policy = SpeculationPolicy(SpeculativeConfig(method="ngram", min_acceptance_rate=0.3))
     for _ in range(50):
