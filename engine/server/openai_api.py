@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedinfer.engine.outputs import CompletionDelta, RequestOutput, SampleLogprobs
 from pagedinfer.engine.server.errors import classify
 from pagedinfer.engine.server.generation import GenerationService, GenerationStream, finish_reason_value
+from pagedinfer.engine.server.json_body_route import JsonBodyRoute, json_response
 from pagedinfer.engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from pagedinfer.engine.server.sse_render import (
     DONE,
@@ -89,8 +90,10 @@ class OpenAIRoutes:
         self.service = service
         self.router = APIRouter()
         self.router.add_api_route("/v1/models", self.list_models, methods=["GET"])
-        self.router.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        self.router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        # The two per-request hot paths: one-pass body validation (json_body_route.py).
+        hot = {"methods": ["POST"], "route_class_override": JsonBodyRoute}
+        self.router.add_api_route("/v1/completions", self.completions, **hot)
+        self.router.add_api_route("/v1/chat/completions", self.chat_completions, **hot)
 
     async def list_models(self) -> dict:
         engine = self.service.handle.engine
@@ -104,6 +107,7 @@ class OpenAIRoutes:
             model["max_model_len"] = int(engine.max_model_len)
         return {"object": "list", "data": [model]}
 
+    # `-> Any` although both return a Response: the OpenAPI document keeps its response schemas.
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         stream = await self.service.open(body.to_generation())
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -142,9 +146,9 @@ class OpenAIRoutes:
         ]
         return self._final_body(collected, rid, created, "chat.completion", choices)
 
-    def _final_body(self, collected: _Collected, rid: str, created: int, obj: str, choices: list) -> dict:
+    def _final_body(self, collected: _Collected, rid: str, created: int, obj: str, choices: list) -> Response:
         final = collected.final
-        return {
+        body = {
             "id": rid,
             "object": obj,
             "created": created,
@@ -153,6 +157,7 @@ class OpenAIRoutes:
             "usage": usage_dict(final.usage if final else None),
             "timing": timing_dict(final.timing if final else None),
         }
+        return json_response(body)
 
     def _stream(
         self, stream: GenerationStream, rid: str, created: int, obj: str, include_usage: bool
