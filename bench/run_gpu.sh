@@ -87,13 +87,14 @@ step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDI
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
-# process on a GPU) and with --no-engine-process (modes grpc/inproc, http/inproc); three engines
-# at 0.28 of the GPU each; ~2-3 min (capped at 7). More variants:
-# SERVING_BENCH_ARGS="--variant gil0.5=--gil-switch-interval-ms=0.5" (one more engine, ~+40 s)
+# process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,
+# one more engine each (~+30 s): SERVING_BENCH_ARGS="--variant inproc=--no-engine-process" (the
+# engine in the server's process), "--variant gil0.5=--gil-switch-interval-ms=0.5"; the steady
+# state of N users: SERVING_BENCH_ARGS="--requests-per-client 4 --concurrency 16,64"
 # shellcheck disable=SC2086  # SERVING_BENCH_ARGS splits into words
-step bench_serving timeout 420 "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
+step bench_serving timeout 300 "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
   --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 \
-  --variant "inproc=--no-engine-process" --out "$OUTDIR" ${SERVING_BENCH_ARGS:-}
+  --out "$OUTDIR" ${SERVING_BENCH_ARGS:-}
 
 # 4. summary
 for f in "$OUTDIR"/*_summary.txt; do
