@@ -351,7 +351,9 @@ def run_workload(
 def _engine_config(args, model: str, dtype: str, spec: SpeculativeConfig) -> EngineConfig:
     return EngineConfig(
         model=model,
-        cache=CacheConfig(block_size=16, num_blocks=args.num_blocks),
+        # No prefix caching: every run here repeats the previous run's prompts, and cached prompt
+        # blocks would make the later run's prefills (the refilled batch's admissions) cheaper.
+        cache=CacheConfig(block_size=16, num_blocks=args.num_blocks, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=16),
         device=DeviceConfig(device=args.device, dtype=dtype),
         speculative=spec,
@@ -460,6 +462,8 @@ def main() -> None:
         help="the policy's pause threshold (0: never pause)",
     )
     args = parser.parse_args()
+    if args.refill == 1:
+        parser.error("--refill must be 0 (off) or >= 2: with B prompts the batch is never refilled")
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     results: dict = {"machine": _machine(args), "workloads": {}}

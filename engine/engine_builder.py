@@ -166,7 +166,7 @@ def _profile_fn(model, mc, config: EngineConfig, device, dtype, backend) -> Call
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         hidden = model(ids, md.positions, caches, md)
-        model.compute_logits(hidden[md.logits_indices])
+        model.compute_logits(hidden[md.logits_indices], backend=backend)
         del caches
 
     return run

@@ -332,8 +332,8 @@ def paged_decode_attention(
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
-    if max_context_len is not None:
-        max_context = max(1, min(max_context, max_context_len))
+    if max_context_len is not None and max_context > 0:  # a table with no columns reads nothing
+        max_context = min(max_context, max_context_len)
         config = config or bounded_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
     config = config or default_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
     if num_splits is None:

@@ -212,7 +212,7 @@ class DraftModelProposer:
             md = AttentionMetadata.from_batch(layout, self.device, backend=self.backend)
             ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
             hidden = self.model(ids, md.positions, self.kv_caches, md)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[md.logits_indices])  # [A, V_draft]
+        logits = self.model.compute_logits(hidden[md.logits_indices], backend=self.backend)  # [A, V_draft]
         for s, c, n in zip(seq_ids, computed, num_new, strict=True):
             self._computed[s] = c + n
         self.kv.mark_computed(seq_ids, [self._computed[s] for s in seq_ids])

@@ -20,9 +20,18 @@ from pagedinfer.engine.config import SpeculativeConfig
 
 @dataclass
 class _SequenceStats:
-    acceptance_ema: float = 1.0  # optimistic start: a fresh sequence always gets to try
+    # Exponential averages of drafts accepted and draft positions checked per verification; their
+    # ratio estimates the per-token acceptance alpha without bias (an average of per-step ratios
+    # reads alpha 0.46 at K 4 as ~0.29). Start: ratio 1 (a fresh or probing sequence gets to try)
+    # with the weight of ~2 verifications, so a sequence that gets nothing pauses after ~4.
+    accepted_ema: float = 0.2
+    tried_ema: float = 0.2
     num_observations: int = 0
     paused_steps_left: int = 0
+
+    @property
+    def acceptance_ema(self) -> float:
+        return self.accepted_ema / self.tried_ema
 
 
 @dataclass
@@ -50,8 +59,8 @@ class SpeculationPolicy:
     """Adaptive on/off decisions; `observe` feeds it each verification's outcome."""
 
     config: SpeculativeConfig
-    ema_decay: float = 0.8  # weight of the history: ~5 verifications dominate
-    min_observations: int = 2  # never pause on a single unlucky step
+    ema_decay: float = 0.9  # weight of the history: ~10 verifications dominate
+    min_observations: int = 3  # never pause on one or two unlucky steps
     probe_interval: int = 16  # steps a paused sequence waits before trying again
     _seqs: dict[int, _SequenceStats] = field(default_factory=dict)
 
@@ -74,16 +83,16 @@ class SpeculationPolicy:
             return
         stats = self._seqs.setdefault(seq_id, _SequenceStats())
         # Per-token acceptance, independent of K: drafts are checked in order up to the first
-        # rejection, so accepted + (1 if one was rejected) positions were tried. (accepted / K
-        # would read alpha 0.46 at K 4 as 0.2 and pause sequences that pay.)
+        # rejection, so accepted + (1 if one was rejected) positions were tried (accepted / K would
+        # read alpha 0.46 at K 4 as 0.2 and pause sequences that pay).
         tried = num_accepted + (1 if num_accepted < num_drafts else 0)
-        rate = num_accepted / tried
-        stats.acceptance_ema = self.ema_decay * stats.acceptance_ema + (1 - self.ema_decay) * rate
+        decay = self.ema_decay
+        stats.accepted_ema = decay * stats.accepted_ema + (1 - decay) * num_accepted
+        stats.tried_ema = decay * stats.tried_ema + (1 - decay) * tried
         stats.num_observations += 1
-        if (
-            stats.num_observations >= self.min_observations
-            and stats.acceptance_ema < self.config.min_acceptance_rate
-        ):
+        if stats.acceptance_ema >= self.config.min_acceptance_rate:
+            stats.paused_steps_left = 0  # recovered while riding along: no need to sit it out
+        elif stats.num_observations >= self.min_observations:
             stats.paused_steps_left = self.probe_interval
 
     def forget(self, seq_id: int) -> None:

@@ -78,5 +78,7 @@ class LayerSubsetDraft:
         hidden, _ = self.target.model.norm(hidden, residual)
         return hidden  # [T, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+    def compute_logits(
+        self, hidden: torch.Tensor, upcast: bool = True, backend: str | None = None
+    ) -> torch.Tensor:
+        return self.target.compute_logits(hidden, upcast, backend)
