@@ -23,7 +23,7 @@ class _SequenceStats:
     # Exponential averages of drafts accepted and draft positions checked per verification; their
     # ratio estimates the per-token acceptance alpha without bias (an average of per-step ratios
     # reads alpha 0.46 at K 4 as ~0.29). Start: ratio 1 (a fresh or probing sequence gets to try)
-    # with the weight of ~2 verifications, so a sequence that gets nothing pauses after ~4.
+    # with the weight of ~2 verifications, so one that gets nothing pauses after ~6 (threshold 0.2).
     accepted_ema: float = 0.2
     tried_ema: float = 0.2
     num_observations: int = 0
