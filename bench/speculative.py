@@ -254,26 +254,32 @@ def step_median(run, batch: int) -> float | None:
     return round(statistics.median(s["ms"] for s in steps), 3) if steps else None
 
 
-def full_batch_tokens_per_seq_step(run, batch: int) -> float | None:
-    """Tokens a sequence gained per step over the steps with the whole batch running (KV tokens
-    grow by exactly the emitted tokens between consecutive such steps)."""
+def _full_batch_growth(run, batch: int) -> tuple[int, list[dict]] | None:
+    """KV tokens gained from the first to the last step with the whole batch running (they grow
+    by exactly the emitted tokens between such steps), and the steps after the first."""
     steps = _full_steps(run, batch)
     if len(steps) < 2:
         return None
-    return round((steps[-1]["kv_tokens"] - steps[0]["kv_tokens"]) / (len(steps) - 1) / batch, 3)
+    return steps[-1]["kv_tokens"] - steps[0]["kv_tokens"], steps[1:]
+
+
+def full_batch_tokens_per_seq_step(run, batch: int) -> float | None:
+    """Tokens a sequence gained per step over the steps with the whole batch running."""
+    growth = _full_batch_growth(run, batch)
+    if growth is None:
+        return None
+    gained, after = growth
+    return round(gained / len(after) / batch, 3)
 
 
 def full_batch_speedup(base, fast, batch: int) -> float | None:
-    """Tokens per second of one sequence while the whole batch runs, speculative over plain: KV
-    growth from the first to the last full step over the time of the steps after the first
+    """Tokens per second of one sequence while the whole batch runs, speculative over plain
     (the plain run's batch stays full to its end)."""
-    rates = []
-    for run in (base, fast):
-        steps = _full_steps(run, batch)
-        if len(steps) < 2:
-            return None
-        rates.append((steps[-1]["kv_tokens"] - steps[0]["kv_tokens"]) / sum(s["ms"] for s in steps[1:]))
-    return round(rates[1] / rates[0], 3)
+    growths = [_full_batch_growth(run, batch) for run in (base, fast)]
+    if None in growths:
+        return None
+    base_rate, fast_rate = (gained / sum(s["ms"] for s in after) for gained, after in growths)
+    return round(fast_rate / base_rate, 3)
 
 
 def step_mean_max(run, batch: int) -> list[float] | None:
