@@ -76,6 +76,8 @@ step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/models
 # small-batch linear layers: torch's GEMM vs kernels/gemv.py per 8B layer shape and the step's chain
 step bench_gemv "$PY" bench/gemv.py --out "$OUTDIR" --rows 1,4,16 --rep-ms 25
+# the one-row RMSNorm folded into the next GEMV vs a norm kernel + the GEMV (pairs and the 32-layer chain)
+step bench_norm_gemv "$PY" bench/norm_gemv.py --out "$OUTDIR" --rep-ms 25
 # one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
 step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
 # where a decode step's time goes: kernel time vs wall time per step (torch.profiler, 8B shape)

@@ -3,6 +3,8 @@
 A decode step of a few tokens reads every weight once for a few multiply-adds per byte; there
 `kernels/gemv.py` streams the weights closer to the copy bandwidth than torch's GEMM (measured in
 bench/gemv.py). Everything else (prefill, large batches, the CPU, fp32/fp64) is `F.linear`.
+`norm_linear` is the same with the RMSNorm before it (and its residual add) folded into one kernel
+at one row (kernels/norm_gemv.py), the fused norm and `linear` otherwise.
 Checks look at shapes and dtypes only, so a launch inside CUDA-graph capture never synchronizes.
 """
 
@@ -13,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from pagedinfer.kernels import fused_ops
 from pagedinfer.kernels.ops import select_backend
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
@@ -20,6 +23,8 @@ GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # the benchmarks); PAGEDINFER_GEMV_MAX_ROWS moves the row count up to which the kernel is used.
 GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
 GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "16")), 16)  # 16: gemv.MAX_ROWS
+# PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch).
+NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> bool:
@@ -45,3 +50,56 @@ def linear(
     from pagedinfer.kernels import gemv
 
     return gemv.gemv(x, weight, bias, gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1]))
+
+
+def uses_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    backend=None,
+) -> bool:
+    """The one-row GEMV with the RMSNorm folded in: one row, one dtype for every operand."""
+    from pagedinfer.kernels.norm_gemv import MAX_ROW
+
+    return (
+        NORM_GEMV_ENABLED
+        and fused_ops.FUSED_KERNELS_ENABLED
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.shape[1] <= MAX_ROW
+        and uses_gemv(x, weight, backend)
+        and tuple(norm_weight.shape) == (x.shape[1],)
+        and norm_weight.dtype == x.dtype
+        and norm_weight.stride(0) == 1
+        and (
+            residual is None
+            or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)
+        )
+    )
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, residual) [T, K] -> (rms_norm(h) @ weight.T (+ bias) [T, N], h [T, K]), h = x + residual.
+
+    Without a residual h is x itself (a model's first layer). One kernel for a single row on the
+    GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`.
+    """
+    if uses_norm_gemv(x, residual, norm_weight, weight, backend):
+        from pagedinfer.kernels import gemv, norm_gemv
+
+        config = gemv.config_for(1, weight.shape[0], weight.shape[1])
+        return norm_gemv.add_norm_gemv(x, residual, norm_weight, eps, weight, bias, config)
+    if residual is None:
+        normed, hidden = fused_ops.rms_norm(x, norm_weight, eps, backend=backend), x
+    else:
+        normed, hidden = fused_ops.add_rms_norm(x, residual, norm_weight, eps, backend=backend)
+    return linear(normed, weight, bias, backend), hidden

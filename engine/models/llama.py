@@ -22,7 +22,7 @@ from pagedinfer.engine.models.layers.mlp import SwiGLUMLP
 from pagedinfer.engine.models.layers.rms_norm import RMSNorm
 from pagedinfer.engine.models.layers.rotary import RotaryEmbedding
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
-from pagedinfer.kernels.linear_ops import linear
+from pagedinfer.kernels.linear_ops import linear, norm_linear
 
 # Checkpoint names that carry no weights of ours (old HF checkpoints saved the rope table).
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -52,15 +52,20 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden, residual [T, hidden]; returns the block output and the running residual.
+        # hidden, residual [T, hidden]; returns the block output and the running residual. Each
+        # norm runs with the projection after it (one kernel at one token a step: norm_linear).
         backend = attn_metadata.backend  # the fused elementwise kernels follow the attention backend
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, backend=backend)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual, backend=backend)
-        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, backend=backend)
-        return self.mlp(hidden, backend=backend), residual
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = norm_linear(
+            hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, backend
+        )
+        hidden = attn.attend(qkv, rope, kv_cache, attn_metadata)
+        norm = self.post_attention_layernorm
+        gate_up, residual = norm_linear(
+            hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None, backend
+        )
+        return mlp.down(gate_up, backend=backend), residual
 
 
 class LlamaModel(nn.Module):

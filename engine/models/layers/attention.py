@@ -40,10 +40,20 @@ class PagedAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         # x [T, hidden]; rope (cos, sin) [T, D/2]; caches [num_blocks, block_size, KVH, D]
-        num_tokens = x.shape[0]
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias, attn_metadata.backend)
+        return self.attend(qkv, rope, kv_cache, attn_metadata)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Everything after the qkv projection: qkv [T, (H + 2 KVH) D] -> [T, hidden]."""
+        num_tokens = qkv.shape[0]
         key_cache, value_cache = kv_cache
         backend = attn_metadata.backend
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias, backend)  # [T, (H + 2 KVH) D]
         # Rotates q and k; the new K/V go into the cache first, attention then reads only the cache.
         q = fused_ops.rotary_cache_write(
             qkv, *rope, key_cache, value_cache, attn_metadata.slot_mapping, backend=attn_metadata.backend

@@ -19,8 +19,9 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj.weight, None, backend)  # [T, 2 * I]
+        return self.down(linear(x, self.gate_up_proj.weight, None, backend), backend)  # [T, hidden]
+
+    def down(self, gate_up: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """gate_up [T, 2 * I] (the gate and up projections' output) -> [T, hidden]."""
         # silu(gate) * up in one pass (Triton on CUDA, the PyTorch reference on the CPU).
-        return linear(
-            fused_ops.silu_mul(gate_up, backend=backend), self.down_proj.weight, None, backend
-        )  # [T, hidden]
+        return linear(fused_ops.silu_mul(gate_up, backend=backend), self.down_proj.weight, None, backend)
