@@ -2,8 +2,9 @@
 
 Each workload runs one engine; every row measures `use_speculation=False` requests (baseline)
 and speculative ones on the same engine, same prompts, greedy, and checks the outputs match.
-  (a) ngram: the n-gram proposer on an editing task with SmolLM2 (rewrite a given text with one
-      substitution: the output copies long spans of the prompt, what prompt lookup is made for);
+  (a) ngram: the n-gram proposer on editing tasks with SmolLM2 (rewrite a given text with one
+      substitution, or fix its typos: the output copies long spans of the prompt, what prompt
+      lookup is made for; each answer ends at the model's EOS, at most --max-tokens);
   (b) pair: a Llama-3-8B-shaped random bf16 target with a draft made of its own first L layers;
       the target's later layers are scaled down so the pair agrees (bench/spec_pair.py says how;
       the construction is recorded in the JSON);
@@ -62,25 +63,64 @@ run_engine_requests, run_engine_closed_loop = (
 )
 spec_pair = _load_bench_module("spec_pair")
 
+# Editing tasks over given texts, long enough (~120-150 tokens) that the edited copy, not the
+# model's own text, fills most of a 128-token answer. SmolLM2-135M copies the texts (partly: it
+# drops or merges clauses, and often leaves the word to replace unchanged); asked to rename a
+# variable in Python code it wrote new code instead, so no code task here (bench/NOTES.md).
 TEXTS = [
-    "The committee met on Monday to review the budget. The committee approved the budget for the "
-    "library and the budget for the park, and asked the treasurer for a new report on Friday.",
-    "Our train leaves the station at nine in the morning. The train stops in three towns before it "
-    "reaches the coast, and the last stop is a small harbor with a lighthouse and a fish market.",
-    "To make the soup, cut two onions and three carrots, cook them in butter for ten minutes, then "
-    "add the water and the salt, and let the soup simmer for half an hour before serving it hot.",
-    "The library opens at eight and closes at six. Visitors may borrow five books at a time, and "
-    "books must be returned within three weeks, or the library charges a small fee for each day.",
+    "The town council met on Monday evening to discuss the new budget for the coming year. Most of "
+    "the money will go to the schools, the roads and the public library, which has asked for longer "
+    "opening hours and more staff. The mayor said that the roads in the north of the town are in poor "
+    "condition and must be repaired before the winter. Several residents spoke at the meeting and "
+    "asked the council to build a new playground near the river. The council agreed to study the "
+    "proposal and to present a plan at the next meeting, which will take place on Monday, the third "
+    "of March, at seven in the evening.",
+    "Our train leaves the central station at nine in the morning and arrives at the coast shortly "
+    "after noon. On the way it stops in three small towns, where passengers can buy coffee and "
+    "sandwiches on the platform. The last stop is a quiet harbor with a white lighthouse, a fish "
+    "market and a few restaurants that serve fresh seafood. From the harbor a ferry goes to the "
+    "island twice a day, once at two in the afternoon and once at six in the evening. Tickets for "
+    "the ferry can be bought at the harbor office, which is open every day except Sunday.",
+    "To make the vegetable soup, cut two onions, three carrots and four potatoes into small pieces. "
+    "Melt some butter in a large pot and cook the onions for five minutes, until they are soft. Add "
+    "the carrots and the potatoes, pour in two liters of water and add a spoon of salt. Bring the "
+    "soup to a boil, then lower the heat and let it simmer for thirty minutes, stirring from time to "
+    "time. When the vegetables are tender, blend the soup until it is smooth, taste it and add more "
+    "salt or pepper if needed. Serve the soup hot with fresh bread and a little cream on top.",
+    "The city library opens at eight in the morning and closes at six in the evening from Monday to "
+    "Friday. On Saturday it opens at ten and closes at four. Visitors with a library card may borrow "
+    "up to five books at a time, and books must be returned within three weeks. If a book is "
+    "returned late, the library charges a small fee for each day. Children under twelve can borrow "
+    "books for free and may join the reading club, which meets every Wednesday afternoon in the room "
+    "next to the entrance. The library also offers free internet access and a quiet room for study.",
 ]
-EDITS = [("Monday", "Tuesday"), ("nine", "ten"), ("two onions", "one onion"), ("five", "four")]
+EDITS = [("Monday", "Tuesday"), ("ferry", "boat"), ("carrots", "leeks"), ("library", "archive")]
+
+
+def with_typos(text: str, seed: int) -> str:
+    """The text with adjacent letters swapped in about one word of five longer than five letters."""
+    rng = random.Random(seed)
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        if len(word) > 5 and word.isalpha() and rng.random() < 0.2:
+            j = rng.randrange(1, len(word) - 2)
+            words[i] = word[:j] + word[j + 1] + word[j] + word[j + 2 :]
+    return " ".join(words)
 
 
 def tasks(num: int) -> list[str]:
+    """Each text once with a replacement to make, then once with typos to fix; then again."""
     out = []
     for i in range(num):
-        text, (old, new) = TEXTS[i % len(TEXTS)], EDITS[i % len(EDITS)]
-        verb = ["Rewrite", "Copy"][(i // len(TEXTS)) % 2]
-        out.append(f"{verb} the following text, replacing '{old}' with '{new}'. Text: {text}")
+        t = i % len(TEXTS)
+        if (i // len(TEXTS)) % 2 == 0:
+            old, new = EDITS[t]
+            out.append(f"Rewrite the following text, replacing '{old}' with '{new}'. Text: {TEXTS[t]}")
+        else:
+            out.append(
+                "Fix the spelling mistakes in the following text and return the corrected text. "
+                f"Text: {with_typos(TEXTS[t], t)}"
+            )
     return out
 
 
@@ -142,6 +182,9 @@ class Workload:
     prompts: Callable[[int], list[list[int]]]
     spec_config: Callable[[int], SpeculativeConfig]
     info: dict
+    # False: requests end at the model's EOS, as a real answer does (capped by --max-tokens);
+    # True: exactly --max-tokens each (a random model's EOS means nothing)
+    ignore_eos: bool = True
 
 
 def set_speculation(llm: LLM, config: SpeculativeConfig, num_blocks: int) -> None:
@@ -165,16 +208,17 @@ def set_speculation(llm: LLM, config: SpeculativeConfig, num_blocks: int) -> Non
         spec.capture_cuda_graphs(runner.config.max_num_seqs)  # the draft model's steps
 
 
-def baseline(core, prompts: list[list[int]], max_tokens: int):
-    plain = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, use_speculation=False)
-    base = run_engine_requests(core, prompts, plain)
+def baseline(core, prompts: list[list[int]], greedy: SamplingParams):
+    base = run_engine_requests(core, prompts, replace(greedy, use_speculation=False))
     steps = sorted(s["ms"] for s in base.steps if s["pure_decode"])
     return base, steps[len(steps) // 2]  # the run, its median plain decode step (ms)
 
 
-def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_tokens: int, k: int) -> dict:
+def measure(
+    core, prompts: list[list[int]], base, base_step_ms: float, greedy: SamplingParams, k: int
+) -> dict:
     spec = core.spec_decoder
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, use_speculation=True)
+    params = replace(greedy, use_speculation=True)
     before = replace(spec.stats)
     timer = Timed(spec.proposer.propose)
     spec.proposer.propose = timer
@@ -225,6 +269,7 @@ def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_token
             verifying / max(1, sum(s["batch"] for s in fast.steps if s["pure_decode"])), 3
         ),
         "paused_sequence_steps": paused,
+        **draft_accounting(before, stats, fast),
         "full_batch_tokens_per_seq_step": full_batch_tokens_per_seq_step(fast, len(prompts)),
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
@@ -242,6 +287,26 @@ def measure(core, prompts: list[list[int]], base, base_step_ms: float, max_token
         "all_steps": sum(1 for s in fast.steps if s["pure_decode"]),
         "measured_speedup_full_batch": steady,
         "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
+    }
+
+
+def draft_accounting(before, after, run) -> dict:
+    """Why decoding sequence-steps had no draft, and the tokens one decoding sequence-step gave.
+
+    The reasons are counted where drafts are decided (SpeculativeDecoder.propose): no n-gram
+    match (`unmatched`), paused by the policy, no room left under max_tokens (`capped`, the last
+    step of every sequence), the whole step above max_batch_size (`disabled`).
+    """
+    reasons = {
+        name: getattr(after, f"num_{name}_sequence_steps") - getattr(before, f"num_{name}_sequence_steps")
+        for name in ("unmatched", "paused", "capped", "disabled")
+    }
+    seq_steps = sum(s["batch"] for s in run.steps if s["pure_decode"])
+    return {
+        "no_draft_sequence_steps": reasons,
+        # output tokens after each sequence's first (prefill) token over decoding sequence-steps:
+        # 1.0 without speculation; what coverage and alpha together give
+        "tokens_per_seq_step": round((run.output_tokens - run.num_requests) / max(seq_steps, 1), 3),
     }
 
 
@@ -292,16 +357,16 @@ def phase_medians(run, batch: int) -> dict[str, float]:
     return {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]} if phases else {}
 
 
-def refilled(core, pool: list[list[int]], batch: int, max_tokens: int, speculate: bool):
+def refilled(core, pool: list[list[int]], batch: int, greedy: SamplingParams, speculate: bool):
     """Output lengths drawn per request (seeded: the same in both modes) from max_tokens / 2 to
     3 max_tokens / 2, as real traffic has them: plain decoding then also finishes and admits
     sequences at different steps, not all B at once."""
     rng = random.Random(len(pool))
+    max_tokens = greedy.max_tokens
     params = [
-        SamplingParams(
+        replace(
+            greedy,
             max_tokens=rng.randint(max(2, max_tokens // 2), 3 * max_tokens // 2),
-            temperature=0.0,
-            ignore_eos=True,
             use_speculation=speculate,
         )
         for _ in pool
@@ -327,28 +392,28 @@ def run_workload(
 ) -> list[dict]:
     core, rows = w.llm.core, []
     warm = w.prompts(1)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=w.ignore_eos)
+    short = replace(greedy, max_tokens=8)
     bases = {}
     for k in ks:
         set_speculation(w.llm, w.spec_config(k), num_blocks)
-        baseline(core, warm, 8)  # warm-up: allocator, kernels, first-call costs
-        measure(core, warm, *baseline(core, warm, 8), 8, k)
+        baseline(core, warm, short)  # warm-up: allocator, kernels, first-call costs
+        measure(core, warm, *baseline(core, warm, short), short, k)
         for batch in batches:
             prompts = w.prompts(batch)
             if batch not in bases:
-                bases[batch] = baseline(core, prompts, max_tokens)
+                bases[batch] = baseline(core, prompts, greedy)
             # Warm-up at this batch and K (kernels specialized or compiled on first use, the
             # draft's graphs): one-time costs stay out of the timed run.
             run_engine_requests(
                 core, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
             )
-            row = measure(core, prompts, *bases[batch], max_tokens, k)
+            row = measure(core, prompts, *bases[batch], greedy, k)
             if refill:
                 pool = w.prompts(refill * batch)
                 if ("loop", batch) not in bases:
-                    bases["loop", batch] = refilled(core, pool, batch, max_tokens, False)
-                row.update(
-                    refilled_row(bases["loop", batch], refilled(core, pool, batch, max_tokens, True), row)
-                )
+                    bases["loop", batch] = refilled(core, pool, batch, greedy, False)
+                row.update(refilled_row(bases["loop", batch], refilled(core, pool, batch, greedy, True), row))
             rows.append(row)
             print(w.name, json.dumps(row), flush=True)
     return rows
@@ -385,13 +450,18 @@ def smollm2_workload(args, ks: list[int], method: str) -> Workload:
 
     llm = LLM(_engine_config(args, args.model, args.dtype, spec_config(ks[0])))
     encode = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    info = {"model": args.model, "draft": args.draft if method == "draft" else None}
+    info = {
+        "model": args.model,
+        "draft": args.draft if method == "draft" else None,
+        "task": "rewrite with a replacement / fix typos, 4 texts; answers end at EOS",
+    }
     return Workload(
         method if method == "ngram" else "selfdraft",
         llm,
         lambda b: [encode(t) for t in tasks(b)],
         spec_config,
         info,
+        ignore_eos=False,
     )
 
 

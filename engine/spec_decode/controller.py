@@ -62,13 +62,17 @@ class SpeculativeDecoder:
         self._draft_probs.clear()
         self._forget_gone(running)
         if not self.policy.is_step_enabled(len(running)):
+            self.stats.num_disabled_sequence_steps += sum(map(_is_decoding, running))
             return 0
         candidates: list[Request] = []
         requests: list[DraftRequest] = []
         paused: list[tuple[Request, int]] = []
         for seq in running:  # one pass: the policy is asked only for sequences that may draft
+            if not _is_decoding(seq):
+                continue
             max_drafts = self._max_drafts(seq)
             if max_drafts <= 0:
+                self.stats.num_capped_sequence_steps += 1
                 continue
             if self.policy.should_speculate(seq.seq_id):
                 candidates.append(seq)
@@ -93,20 +97,14 @@ class SpeculativeDecoder:
         for b, (seq, drafts) in enumerate(zip(candidates, proposals.token_ids, strict=True)):
             seq.spec_token_ids = list(drafts)
             num_drafts += len(drafts)
+            self.stats.num_unmatched_sequence_steps += not drafts
             if probs is not None and drafts:
                 self._draft_probs[seq.seq_id] = probs[b, : len(drafts)]
         return num_drafts
 
     def _max_drafts(self, seq: Request) -> int:
-        """Drafts this sequence may take: 0 unless it is decoding and wants speculation."""
+        """Drafts a decoding sequence that wants speculation may take (0: no room left)."""
         params = seq.sampling_params
-        if (
-            seq.status is not RequestStatus.RUNNING
-            or not params.use_speculation
-            or seq.num_computed_tokens != seq.num_tokens - 1  # still prefilling
-            or seq.pending_children
-        ):
-            return 0
         limit = self.config.num_speculative_tokens
         # One step emits up to k + 1 tokens: stay within max_tokens and the context.
         if params.max_tokens is not None:
@@ -154,6 +152,16 @@ class SpeculativeDecoder:
             self.stats.num_accepted_tokens += accepted
             self.stats.num_verified_sequences += 1
             self.stats.num_emitted_tokens += accepted + 1
+
+
+def _is_decoding(seq: Request) -> bool:
+    """Running, past its prefill, and speculation wanted: the sequences a draft is for."""
+    return (
+        seq.status is RequestStatus.RUNNING
+        and seq.sampling_params.use_speculation
+        and seq.num_computed_tokens == seq.num_tokens - 1  # not still prefilling
+        and not seq.pending_children
+    )
 
 
 def _row(seq: Request) -> SamplingRow:

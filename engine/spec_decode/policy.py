@@ -43,6 +43,10 @@ class SpeculationStats:
     num_verified_sequences: int = 0  # sequence-steps that verified at least one draft
     num_emitted_tokens: int = 0  # tokens those sequence-steps emitted (accepted + 1 each)
     num_paused_sequence_steps: int = 0  # could have drafted, but the policy had them paused
+    # Why a decoding sequence-step had no draft (with the paused ones above: coverage's complement)
+    num_unmatched_sequence_steps: int = 0  # asked the proposer, got nothing (n-gram: no match)
+    num_capped_sequence_steps: int = 0  # max_tokens or the context left no room for a draft
+    num_disabled_sequence_steps: int = 0  # the step ran above max_batch_size
 
     @property
     def acceptance_rate(self) -> float:
