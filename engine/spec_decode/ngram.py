@@ -1,5 +1,11 @@
-"""Prompt-lookup (n-gram) proposer: drafts what followed the latest earlier occurrence of the
-sequence's last n tokens, n from ngram_max down to ngram_min. No model, no device memory.
+"""Prompt-lookup (n-gram) proposer: drafts what followed an earlier occurrence of the sequence's
+last n tokens, n from ngram_max down to ngram_min. No model, no device memory.
+
+Among equally long matches it takes the one whose preceding `context_window` tokens share the
+most tokens with the window before the sequence's own suffix, then the latest. Why: after an
+edit (an inserted comma, a changed word) only the last token matches, and it occurs in many
+places; the right one is where the text copied so far came from, whose context still resembles
+the recent output (the latest occurrence alone chose worse: bench/NOTES.md, n-gram on CPU).
 
 Matching is vectorized with numpy over the candidate positions: candidates are the earlier
 occurrences of the last token, extended backwards one token at a time (at most ngram_max
@@ -16,13 +22,43 @@ import numpy as np
 
 from pagedinfer.engine.spec_decode.proposer import DraftProposals, DraftRequest
 
+# Tokens before a match compared with those before the suffix, to rank equally long matches.
+CONTEXT_WINDOW = 8
 
-def find_ngram_draft(tokens: np.ndarray, ngram_min: int, ngram_max: int, max_draft: int) -> np.ndarray:
-    """Up to `max_draft` tokens following the longest (then latest) earlier match of a suffix.
+
+def context_overlap(
+    tokens: np.ndarray, a_ends: np.ndarray, b_ends: np.ndarray, lows: np.ndarray, window: int
+) -> np.ndarray:
+    """How many of the `window` tokens ending at a_ends[c] occur among those ending at b_ends[c].
+
+    tokens [T] int; a_ends, b_ends, lows [C] int: positions below lows[c] (the sequence's start)
+    are outside the windows. Returns [C] int64 in [0, window].
+    """
+    steps = np.arange(window - 1, -1, -1)  # [W]
+    a_pos = a_ends[:, None] - steps[None, :]  # [C, W]
+    b_pos = b_ends[:, None] - steps[None, :]  # [C, W]
+    a_ok = a_pos >= lows[:, None]
+    b_ok = b_pos >= lows[:, None]
+    a_tok = tokens[np.where(a_ok, a_pos, 0)]
+    b_tok = tokens[np.where(b_ok, b_pos, 0)]
+    seen = ((a_tok[:, :, None] == b_tok[:, None, :]) & b_ok[:, None, :]).any(axis=2)  # [C, W]
+    return (seen & a_ok).sum(axis=1)
+
+
+def find_ngram_draft(
+    tokens: np.ndarray,
+    ngram_min: int,
+    ngram_max: int,
+    max_draft: int,
+    context_window: int = CONTEXT_WINDOW,
+) -> np.ndarray:
+    """Up to `max_draft` tokens following the longest earlier match of a suffix.
 
     tokens [L] int: the sequence so far. A match of length n in [ngram_min, ngram_max] ending at
     position j < L - 1 means tokens[j - n + 1 : j + 1] == tokens[L - n :]; the draft is
     tokens[j + 1 :] extended periodically to `max_draft` tokens. Empty when nothing matches.
+    Equally long matches: the most `context_overlap` between the windows ending just before the
+    match and just before the suffix, then the latest (context_window 0: the latest).
     """
     num_tokens = int(tokens.shape[0])
     if num_tokens < ngram_min + 1 or max_draft <= 0:
@@ -42,7 +78,13 @@ def find_ngram_draft(tokens: np.ndarray, ngram_min: int, ngram_max: int, max_dra
     best = match_len.max()
     if best < ngram_min:
         return tokens[:0]
-    end = int(ends[np.flatnonzero(match_len == best)[-1]])  # latest of the longest
+    longest = np.flatnonzero(match_len == best)  # ascending positions
+    if context_window > 0 and longest.size > 1:
+        cands = ends[longest]
+        b_ends = np.full(cands.shape, num_tokens - 1 - best)
+        overlap = context_overlap(tokens, cands - best, b_ends, np.zeros_like(cands), context_window)
+        longest = longest[overlap == overlap.max()]
+    end = int(ends[longest[-1]])  # the latest of the best
     # What followed the match runs up to the end of the sequence; past it the draft repeats
     # with period L - 1 - end, since the suffix itself is what repeats (e.g. "5 5 5" -> "5 5").
     return np.resize(tokens[end + 1 :], max_draft)
@@ -55,13 +97,15 @@ def find_ngram_drafts(
     ngram_min: int,
     ngram_max: int,
     max_drafts: np.ndarray,
+    context_window: int = CONTEXT_WINDOW,
 ) -> list[list[int]]:
     """`find_ngram_draft` for B sequences at once, concatenated in `flat`.
 
     flat [T] int: all sequences back to back; sequence b is flat[starts[b] : starts[b] + lengths[b]].
     max_drafts [B] int. Same result per sequence as `find_ngram_draft`, in a fixed number of
     numpy calls: candidates (earlier occurrences of each sequence's last token) of all sequences
-    are matched backwards together, then each sequence keeps its longest, then latest, match.
+    are matched backwards together, then each sequence keeps its longest, then most similar in
+    context, then latest match.
     """
     num_seqs = int(lengths.shape[0])
     if flat.shape[0] == 0:
@@ -86,11 +130,21 @@ def find_ngram_drafts(
         if not alive.any():
             break
         match_len += alive
-    # Longest, then latest: one key per candidate, max per sequence.
+    # Longest, then most context overlap, then latest: one key per candidate, max per sequence.
+    rank = match_len * (context_window + 1)  # [C]
+    if context_window > 0 and cand.size:
+        longest = np.zeros(num_seqs, dtype=np.int64)  # [B]
+        np.maximum.at(longest, cand_seq, match_len)
+        tied = np.flatnonzero(match_len == longest[cand_seq])  # only these can be chosen
+        if tied.size > np.count_nonzero(longest):  # some sequence has a tie to break
+            seq, n = cand_seq[tied], match_len[tied]
+            rank[tied] += context_overlap(
+                flat, cand[tied] - n, ends[seq] - 1 - n, starts[seq], context_window
+            )
     scale = flat.shape[0] + 1
     best = np.full(num_seqs, -1, dtype=np.int64)  # [B]
-    np.maximum.at(best, cand_seq, match_len * scale + cand)
-    has = (best >= 0) & (best // scale >= ngram_min)  # [B]
+    np.maximum.at(best, cand_seq, rank * scale + cand)
+    has = (best >= 0) & (best // scale // (context_window + 1) >= ngram_min)  # [B]
     end = best % scale  # [B] flat position of the chosen match's end
     out: list[list[int]] = [[] for _ in range(num_seqs)]
     rows = np.flatnonzero(has)
@@ -152,14 +206,23 @@ class _TokenCache:
 class NgramProposer:
     """Proposer over the sequence's own tokens (prompt lookup decoding), batched over sequences."""
 
-    def __init__(self, ngram_min: int, ngram_max: int, num_speculative_tokens: int) -> None:
+    def __init__(
+        self,
+        ngram_min: int,
+        ngram_max: int,
+        num_speculative_tokens: int,
+        context_window: int = CONTEXT_WINDOW,
+    ) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if context_window < 0:
+            raise ValueError(f"context_window must be >= 0, got {context_window}")
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.num_speculative_tokens = num_speculative_tokens
+        self.context_window = context_window
         self._cache = _TokenCache()
 
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
@@ -170,7 +233,9 @@ class NgramProposer:
         if len(requests) <= _MAX_ONE_BY_ONE:  # fewer numpy calls one sequence at a time
             return DraftProposals(
                 token_ids=[
-                    find_ngram_draft(a, self.ngram_min, self.ngram_max, min(r.max_draft_tokens, k)).tolist()
+                    find_ngram_draft(
+                        a, self.ngram_min, self.ngram_max, min(r.max_draft_tokens, k), self.context_window
+                    ).tolist()
                     for a, r in zip(arrays, requests, strict=True)
                 ],
                 probs=None,
@@ -179,7 +244,9 @@ class NgramProposer:
         starts = np.cumsum(lengths) - lengths  # [B]
         max_drafts = np.fromiter((min(r.max_draft_tokens, k) for r in requests), np.int64, len(requests))
         flat = np.concatenate(arrays)  # [T] int32
-        drafts = find_ngram_drafts(flat, starts, lengths, self.ngram_min, self.ngram_max, max_drafts)
+        drafts = find_ngram_drafts(
+            flat, starts, lengths, self.ngram_min, self.ngram_max, max_drafts, self.context_window
+        )
         return DraftProposals(token_ids=drafts, probs=None)
 
     def free(self, seq_id: int) -> None:

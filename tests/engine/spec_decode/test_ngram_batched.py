@@ -12,8 +12,9 @@ from pagedinfer.engine.spec_decode.ngram import NgramProposer, find_ngram_draft,
 from pagedinfer.engine.spec_decode.proposer import DraftRequest
 
 
+@pytest.mark.parametrize("window", [0, 3, 8])
 @pytest.mark.parametrize("vocab", [2, 5, 50])
-def test_batched_equals_one_sequence_path(vocab):
+def test_batched_equals_one_sequence_path(vocab, window):
     rng = np.random.default_rng(vocab)
     for _ in range(150):
         num_seqs = int(rng.integers(1, 7))
@@ -24,9 +25,9 @@ def test_batched_equals_one_sequence_path(vocab):
         lengths = np.array([len(s) for s in seqs], dtype=np.int64)
         starts = np.cumsum(lengths) - lengths
         flat = np.concatenate(seqs) if seqs else np.zeros(0, np.int32)
-        got = find_ngram_drafts(flat, starts, lengths, ngram_min, ngram_max, max_drafts)
+        got = find_ngram_drafts(flat, starts, lengths, ngram_min, ngram_max, max_drafts, window)
         want = [
-            find_ngram_draft(s.astype(np.int64), ngram_min, ngram_max, int(k)).tolist()
+            find_ngram_draft(s.astype(np.int64), ngram_min, ngram_max, int(k), window).tolist()
             for s, k in zip(seqs, max_drafts, strict=True)
         ]
         assert got == want, (seqs, ngram_min, ngram_max, max_drafts)
