@@ -122,6 +122,11 @@ NARROW_CONFIG = GemvConfig("reduce", block_n=16, block_k=1024, num_warps=8, num_
 MID_CONFIG = GemvConfig("reduce", block_n=8, block_k=512, num_warps=4, num_stages=4)
 WIDE_CONFIG = GemvConfig("reduce", block_n=16, block_k=256, num_warps=4, num_stages=4)
 DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=128, num_warps=4, num_stages=6)
+# 2-16 rows, from the H200 sweep of 2026-12-04 (NOTES.md, "per-shape configs at 2-16 rows"): wide
+# N wants 64x256 tiles (gate_up 63.3 -> 57.8 us at 4 rows, lm_head within 1%), long K 512-long
+# tiles (down 32.6 -> 31.8 us); qkv and o keep DOT_CONFIG.
+WIDE_DOT_CONFIG = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages=3)
+LONG_K_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=512, num_warps=4, num_stages=3)
 DEFAULT_CONFIG = WIDE_CONFIG
 
 
@@ -171,7 +176,9 @@ def gemv(
 def config_for(num_rows: int, n: int, k: int) -> GemvConfig:
     """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes)."""
     if num_rows > 1:  # 2-16 rows: the tensor-core variant reads the weights once for all rows
-        return DOT_CONFIG
+        if k > 8192:
+            return LONG_K_DOT_CONFIG
+        return WIDE_DOT_CONFIG if n > 8192 else DOT_CONFIG
     if n <= 4096:
         return NARROW_CONFIG
     return MID_CONFIG if n <= 8192 else WIDE_CONFIG

@@ -40,6 +40,9 @@ INTERPRETER_CASES = [
     GemvCase("dot_1row", GemvConfig("dot", 16, 32, 4, 2), 1, 48, 64),
     GemvCase("dot_edges_bias", GemvConfig("dot", 32, 32, 4, 2), 5, 45, 70, bias=True),
     GemvCase("dot_16rows", GemvConfig("dot", 16, 64, 4, 2), 16, 32, 128, row_pad=2),
+    # The engine's wide-N and long-K tiles (gemv.config_for at 2-16 rows), masked edges on both.
+    GemvCase("dot_wide_tile", GemvConfig("dot", 64, 256, 4, 3), 3, 70, 300),
+    GemvCase("dot_long_k_tile", GemvConfig("dot", 32, 512, 4, 3), 4, 40, 600),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
