@@ -10,6 +10,7 @@ Checks look at shapes and dtypes only, so a launch inside CUDA-graph capture nev
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 
 from pagedinfer.kernels import fused_ops
 from pagedinfer.kernels.ops import select_backend
+
+logger = logging.getLogger(__name__)
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # PAGEDINFER_GEMV=0 keeps torch's GEMM for every shape (an escape hatch, and the A/B switch of
@@ -41,15 +44,34 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None)
     )
 
 
+# GEMV configs this device cannot run: the tiles were sized on an H200 (up to ~150 KB of shared
+# memory); a GPU with less raises OutOfResources when the kernel loads, and the layer falls back.
+_UNFIT_CONFIGS: set = set()
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None
 ) -> torch.Tensor:
     """x [T, K] @ weight [N, K].T (+ bias) -> [T, N] in x's dtype."""
     if not uses_gemv(x, weight, backend):
         return F.linear(x, weight, bias)
+    from triton.runtime.errors import OutOfResources
+
     from pagedinfer.kernels import gemv
 
-    return gemv.gemv(x, weight, bias, gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1]))
+    config = gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1])
+    if config in _UNFIT_CONFIGS:
+        return F.linear(x, weight, bias)
+    try:
+        return gemv.gemv(x, weight, bias, config)
+    except OutOfResources as exc:
+        _mark_unfit(config, exc)
+        return F.linear(x, weight, bias)
+
+
+def _mark_unfit(config, exc: Exception) -> None:
+    _UNFIT_CONFIGS.add(config)
+    logger.warning("GEMV config %s does not fit this GPU (%s): torch's GEMM runs those layers", config, exc)
 
 
 def uses_norm_gemv(
@@ -94,10 +116,17 @@ def norm_linear(
     GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`.
     """
     if uses_norm_gemv(x, residual, norm_weight, weight, backend):
+        from triton.runtime.errors import OutOfResources
+
         from pagedinfer.kernels import gemv, norm_gemv
 
         config = gemv.config_for(1, weight.shape[0], weight.shape[1])
-        return norm_gemv.add_norm_gemv(x, residual, norm_weight, eps, weight, bias, config)
+        key = ("norm", config)
+        if key not in _UNFIT_CONFIGS:
+            try:
+                return norm_gemv.add_norm_gemv(x, residual, norm_weight, eps, weight, bias, config)
+            except OutOfResources as exc:
+                _mark_unfit(key, exc)
     if residual is None:
         normed, hidden = fused_ops.rms_norm(x, norm_weight, eps, backend=backend), x
     else:

@@ -57,3 +57,28 @@ def test_engine_configs_at_full_shapes(dtype, rows, n, k):
     out = gemv.gemv(x, w, bias, gemv.config_for(rows, n, k))
     ref = F.linear(x.double(), w.double(), bias.double())
     assert float((out.double() - ref).norm() / ref.norm()) <= TOLERANCE[dtype]
+
+
+def test_a_config_that_does_not_fit_the_gpu_falls_back_to_torch(monkeypatch, caplog):
+    # A GPU with less shared memory than the H200 the tiles were sized on: the kernel raises
+    # OutOfResources at load time; the layer must answer with torch's GEMM, and stop retrying.
+    from triton.runtime.errors import OutOfResources
+
+    from pagedinfer.kernels import gemv
+
+    calls = []
+
+    def too_big(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(150_000, 101_376, "shared memory")
+
+    monkeypatch.setattr(gemv, "gemv", too_big)
+    monkeypatch.setattr(linear_ops, "_UNFIT_CONFIGS", set())
+    monkeypatch.setattr(linear_ops, "GEMV_ENABLED", True)
+    x, w = torch.randn(3, 32).half(), torch.randn(8, 32).half()
+    with caplog.at_level("WARNING"):
+        out = linear_ops.linear(x, w, None, "triton")
+        again = linear_ops.linear(x, w, None, "triton")
+    torch.testing.assert_close(out, F.linear(x, w), rtol=0, atol=0)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    assert len(calls) == 1 and "does not fit" in caplog.text

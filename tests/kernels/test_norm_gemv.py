@@ -93,3 +93,34 @@ def test_engine_configs_at_full_shapes(dtype, residual, n, k, bias):
     # And through the launcher the model calls: the same kernel.
     y2, _ = linear_ops.norm_linear(x, r, g, 1e-5, w, b)
     assert torch.equal(y2, y)
+
+
+def test_a_norm_gemv_that_does_not_fit_the_gpu_runs_the_two_step_path(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    from pagedinfer.kernels import gemv, norm_gemv
+
+    calls = []
+
+    def too_big(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(150_000, 101_376, "shared memory")
+
+    def reference_norm(x, residual, weight, eps, backend=None):  # no Triton norm kernel on the CPU
+        return fused_reference.add_rms_norm(x, residual, weight, eps)
+
+    monkeypatch.setattr(norm_gemv, "add_norm_gemv", too_big)
+    monkeypatch.setattr(gemv, "gemv", too_big)
+    monkeypatch.setattr(linear_ops, "_UNFIT_CONFIGS", set())
+    monkeypatch.setattr(linear_ops, "GEMV_ENABLED", True)
+    monkeypatch.setattr(linear_ops, "NORM_GEMV_ENABLED", True)
+    monkeypatch.setattr(linear_ops.fused_ops, "FUSED_KERNELS_ENABLED", True)
+    monkeypatch.setattr(linear_ops.fused_ops, "add_rms_norm", reference_norm)
+    gen = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(1, 32, generator=gen).half() for _ in range(2))
+    g, w = torch.rand(32, generator=gen).half(), torch.randn(8, 32, generator=gen).half()
+    y, h = linear_ops.norm_linear(x, r, g, 1e-6, w, None, "triton")
+    normed, hidden = fused_reference.add_rms_norm(x, r, g, 1e-6)
+    assert torch.equal(h, hidden)
+    assert torch.equal(y, torch.nn.functional.linear(normed, w))
+    assert len(calls) == 2  # the folded kernel, then the plain GEMV: both fell back
