@@ -1,0 +1,195 @@
+"""Row metrics of bench/speculative.py (alpha, c, the formula, full-batch figures) and its reports.
+
+Everything here reads finished runs (throughput_lib.EngineRun) and SpeculationStats; nothing
+drives an engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+
+def solve_alpha(mean_emitted: float, k: int) -> float:
+    """alpha with (1 - alpha^(k+1)) / (1 - alpha) == mean_emitted (bisection; 1 <= mean <= k+1)."""
+    target = min(max(mean_emitted, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        value = sum(mid**i for i in range(k + 1))
+        lo, hi = (mid, hi) if value < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def theoretical_speedup(alpha: float, k: int, c: float) -> float:
+    if alpha >= 1.0:
+        return (k + 1) / (k * c + 1)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+
+class Timed:
+    """Wraps a bound method, summing its wall time (the callee ends in a host sync)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.durations = fn, []
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.durations.append(time.perf_counter() - start)
+
+    @property
+    def median_s(self) -> float:
+        # Median: the first call of a run also prefills the prompts into the draft cache.
+        return statistics.median(self.durations) if self.durations else 0.0
+
+
+def decode_ms_per_token(run) -> float:
+    """Per-sequence ms per output token over the decode steps (the prefill step excluded)."""
+    decode_ms = sum(s["ms"] for s in run.steps if s["pure_decode"])
+    tokens_per_seq = (run.output_tokens - run.num_requests) / run.num_requests
+    return decode_ms / max(tokens_per_seq, 1e-9)
+
+
+def prefix_fraction(a: list[int], b: list[int]) -> float:
+    """Tokens before the first difference over the longer length (1.0: identical)."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return n / max(len(a), len(b), 1)
+
+
+def draft_accounting(before, after, run) -> dict:
+    """Why decoding sequence-steps had no draft, and the tokens one decoding sequence-step gave.
+
+    The reasons are counted where drafts are decided (SpeculativeDecoder.propose): no n-gram
+    match (`unmatched`), paused by the policy, no room left under max_tokens (`capped`, the last
+    step of every sequence), the whole step above max_batch_size (`disabled`).
+    """
+    reasons = {
+        name: getattr(after, f"num_{name}_sequence_steps") - getattr(before, f"num_{name}_sequence_steps")
+        for name in ("unmatched", "paused", "capped", "disabled")
+    }
+    seq_steps = sum(s["batch"] for s in run.steps if s["pure_decode"])
+    return {
+        "no_draft_sequence_steps": reasons,
+        # output tokens after each sequence's first (prefill) token over decoding sequence-steps:
+        # 1.0 without speculation; what coverage and alpha together give
+        "tokens_per_seq_step": round((run.output_tokens - run.num_requests) / max(seq_steps, 1), 3),
+    }
+
+
+def full_steps(run, batch: int) -> list[dict]:
+    return [s for s in run.steps if s["pure_decode"] and s["batch"] == batch]
+
+
+def step_median(run, batch: int) -> float | None:
+    steps = full_steps(run, batch)
+    return round(statistics.median(s["ms"] for s in steps), 3) if steps else None
+
+
+def _full_batch_growth(run, batch: int) -> tuple[int, list[dict]] | None:
+    """KV tokens gained from the first to the last step with the whole batch running (they grow
+    by exactly the emitted tokens between such steps), and the steps after the first."""
+    steps = full_steps(run, batch)
+    if len(steps) < 2:
+        return None
+    return steps[-1]["kv_tokens"] - steps[0]["kv_tokens"], steps[1:]
+
+
+def full_batch_tokens_per_seq_step(run, batch: int) -> float | None:
+    """Tokens a sequence gained per step over the steps with the whole batch running."""
+    growth = _full_batch_growth(run, batch)
+    if growth is None:
+        return None
+    gained, after = growth
+    return round(gained / len(after) / batch, 3)
+
+
+def full_batch_speedup(base, fast, batch: int) -> float | None:
+    """Tokens per second of one sequence while the whole batch runs, speculative over plain
+    (the plain run's batch stays full to its end)."""
+    growths = [_full_batch_growth(run, batch) for run in (base, fast)]
+    if None in growths:
+        return None
+    base_rate, fast_rate = (gained / sum(s["ms"] for s in after) for gained, after in growths)
+    return round(fast_rate / base_rate, 3)
+
+
+def step_mean_max(run, batch: int) -> list[float] | None:
+    steps = [s["ms"] for s in full_steps(run, batch)]
+    return [round(statistics.mean(steps), 3), round(max(steps), 3)] if steps else None
+
+
+def phase_medians(run, batch: int) -> dict[str, float]:
+    phases = [s["phases_ms"] for s in full_steps(run, batch) if "phases_ms" in s]
+    return {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]} if phases else {}
+
+
+def refilled_row(base, fast, row: dict) -> dict:
+    """A batch kept full by new requests (continuous batching's steady state), both modes on the
+    same pool of prompts; the formula's alpha and c come from the fixed-batch run of the row."""
+    speedup = fast.steady_tok_s / base.steady_tok_s
+    return {
+        "refilled_base_tok_s": round(base.steady_tok_s, 2),
+        "refilled_spec_tok_s": round(fast.steady_tok_s, 2),
+        "refilled_steps": [base.steady_steps, fast.steady_steps],
+        "refilled_speedup": round(speedup, 3),
+        "refilled_over_theoretical": round(speedup / row["theoretical_speedup"], 3),
+    }
+
+
+def summary(results: dict) -> str:
+    lines = [f"speculative decoding on {results['machine']['device']} (greedy)"]
+    lines.append(
+        f"{'workload':9} {'B':>2} {'K':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>15} {'alpha':>6} "
+        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same"
+    )
+    for name, workload in results["workloads"].items():
+        if "skipped" in workload:
+            lines.append(f"{name:9} skipped: {workload['skipped']}")
+        for r in workload["rows"]:
+            lines.append(
+                f"{name:9} {r['batch']:>2} {r['k']:>2} {r['base_tok_s']:>10} {r['spec_tok_s']:>10} "
+                f"{r['base_ms_per_token']:>7}->{r['spec_ms_per_token']:<7} {r['alpha']:>6} {r['c']:>6} "
+                f"{r['theoretical_speedup']:>6} {r['measured_speedup']:>6} "
+                f"{r['measured_over_theoretical']:>6} {r.get('measured_speedup_full_batch')!s:>6} "
+                f"{r.get('full_batch_over_theoretical')!s:>6} "
+                f"{r.get('refilled_speedup', '-')!s:>6} {r.get('refilled_over_theoretical', '-')!s:>6} "
+                f"{r.get('full_batch_steps', '-')!s:>3}/{r.get('all_steps', '-')!s:<3} "
+                f"{r.get('paused_sequence_steps', '-')!s:>6} {r['identical_outputs']}"
+            )
+        if "construction" in workload:
+            lines.append(f"  {name}: {workload['construction']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    labels, base, fast = [], [], []
+    for name, workload in results["workloads"].items():
+        for r in workload["rows"]:
+            labels.append(f"{name}\nB={r['batch']} K={r['k']}\na={r['alpha']} c={r['c']}")
+            base.append(r["base_tok_s"])
+            fast.append(r["spec_tok_s"])
+    if not labels:
+        return
+    xs = range(len(labels))
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4.5))
+    ax.bar([x - 0.2 for x in xs], base, 0.4, label="no speculation")
+    ax.bar([x + 0.2 for x in xs], fast, 0.4, label="speculative")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("output tokens/s")
+    ax.set_yscale("log")
+    ax.set_title(f"Speculative decoding, {results['machine']['device']}, greedy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,187 @@
+"""Workloads of bench/speculative.py: one engine each, its prompts and a speculative config per K.
+
+(a) ngram / (c) selfdraft: SmolLM2 on editing tasks (rewrite a text with one substitution,
+    or fix its typos), answers ending at the model's EOS;
+(b) pair: a Llama-3-8B-shaped random target with a draft of its own first L layers
+    (bench/spec_pair.py builds it).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import spec_pair  # bench/ is on sys.path (bench/speculative.py puts it there)
+import torch
+
+from pagedinfer.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagedinfer.engine.llm import LLM
+
+# Editing tasks over given texts, long enough (~120-150 tokens) that the edited copy, not the
+# model's own text, fills most of a 128-token answer. SmolLM2-135M copies the texts (partly: it
+# drops or merges clauses, and often leaves the word to replace unchanged); asked to rename a
+# variable in Python code it wrote new code instead, so no code task here (bench/NOTES.md).
+TEXTS = [
+    "The town council met on Monday evening to discuss the new budget for the coming year. Most of "
+    "the money will go to the schools, the roads and the public library, which has asked for longer "
+    "opening hours and more staff. The mayor said that the roads in the north of the town are in poor "
+    "condition and must be repaired before the winter. Several residents spoke at the meeting and "
+    "asked the council to build a new playground near the river. The council agreed to study the "
+    "proposal and to present a plan at the next meeting, which will take place on Monday, the third "
+    "of March, at seven in the evening.",
+    "Our train leaves the central station at nine in the morning and arrives at the coast shortly "
+    "after noon. On the way it stops in three small towns, where passengers can buy coffee and "
+    "sandwiches on the platform. The last stop is a quiet harbor with a white lighthouse, a fish "
+    "market and a few restaurants that serve fresh seafood. From the harbor a ferry goes to the "
+    "island twice a day, once at two in the afternoon and once at six in the evening. Tickets for "
+    "the ferry can be bought at the harbor office, which is open every day except Sunday.",
+    "To make the vegetable soup, cut two onions, three carrots and four potatoes into small pieces. "
+    "Melt some butter in a large pot and cook the onions for five minutes, until they are soft. Add "
+    "the carrots and the potatoes, pour in two liters of water and add a spoon of salt. Bring the "
+    "soup to a boil, then lower the heat and let it simmer for thirty minutes, stirring from time to "
+    "time. When the vegetables are tender, blend the soup until it is smooth, taste it and add more "
+    "salt or pepper if needed. Serve the soup hot with fresh bread and a little cream on top.",
+    "The city library opens at eight in the morning and closes at six in the evening from Monday to "
+    "Friday. On Saturday it opens at ten and closes at four. Visitors with a library card may borrow "
+    "up to five books at a time, and books must be returned within three weeks. If a book is "
+    "returned late, the library charges a small fee for each day. Children under twelve can borrow "
+    "books for free and may join the reading club, which meets every Wednesday afternoon in the room "
+    "next to the entrance. The library also offers free internet access and a quiet room for study.",
+]
+EDITS = [("Monday", "Tuesday"), ("ferry", "boat"), ("carrots", "leeks"), ("library", "archive")]
+
+
+def with_typos(text: str, seed: int) -> str:
+    """The text with adjacent letters swapped in about one word of five longer than five letters."""
+    rng = random.Random(seed)
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        if len(word) > 5 and word.isalpha() and rng.random() < 0.2:
+            j = rng.randrange(1, len(word) - 2)
+            words[i] = word[:j] + word[j + 1] + word[j] + word[j + 2 :]
+    return " ".join(words)
+
+
+def tasks(num: int) -> list[str]:
+    """Each text once with a replacement to make, then once with typos to fix; then again."""
+    out = []
+    for i in range(num):
+        t = i % len(TEXTS)
+        if (i // len(TEXTS)) % 2 == 0:
+            old, new = EDITS[t]
+            out.append(f"Rewrite the following text, replacing '{old}' with '{new}'. Text: {TEXTS[t]}")
+        else:
+            out.append(
+                "Fix the spelling mistakes in the following text and return the corrected text. "
+                f"Text: {with_typos(TEXTS[t], t)}"
+            )
+    return out
+
+
+@dataclass
+class Workload:
+    """One engine and how to feed it: prompts per batch size and a speculative config per K."""
+
+    name: str
+    llm: LLM
+    prompts: Callable[[int], list[list[int]]]
+    spec_config: Callable[[int], SpeculativeConfig]
+    info: dict
+    # False: requests end at the model's EOS, as a real answer does (capped by --max-tokens);
+    # True: exactly --max-tokens each (a random model's EOS means nothing)
+    ignore_eos: bool = True
+
+
+def _engine_config(args, model: str, dtype: str, spec: SpeculativeConfig) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        # No prefix caching: every run here repeats the previous run's prompts, and cached prompt
+        # blocks would make the later run's prefills (the refilled batch's admissions) cheaper.
+        cache=CacheConfig(block_size=16, num_blocks=args.num_blocks, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=16),
+        device=DeviceConfig(device=args.device, dtype=dtype),
+        speculative=spec,
+    )
+
+
+def _policy(args) -> dict:
+    """--min-acceptance-rate 0 turns the per-sequence pause off (the formula assumes none)."""
+    return {} if args.min_acceptance_rate is None else {"min_acceptance_rate": args.min_acceptance_rate}
+
+
+def smollm2_workload(args, ks: list[int], method: str) -> Workload:
+    """(a) n-gram, or (c) a self-draft of SmolLM2's own layers, on the editing task."""
+
+    def spec_config(k: int) -> SpeculativeConfig:
+        if method == "ngram":
+            return SpeculativeConfig(
+                method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3, **_policy(args)
+            )
+        return SpeculativeConfig(
+            method="draft", num_speculative_tokens=k, draft_model=args.draft, **_policy(args)
+        )
+
+    llm = LLM(_engine_config(args, args.model, args.dtype, spec_config(ks[0])))
+    encode = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    info = {
+        "model": args.model,
+        "draft": args.draft if method == "draft" else None,
+        "task": "rewrite with a replacement / fix typos, 4 texts; answers end at EOS",
+    }
+    return Workload(
+        method if method == "ngram" else "selfdraft",
+        llm,
+        lambda b: [encode(t) for t in tasks(b)],
+        spec_config,
+        info,
+        ignore_eos=False,
+    )
+
+
+def pair_workload(args, ks: list[int]) -> Workload:
+    """(b) the 8B-shaped target and its first-L-layers draft (see bench/spec_pair.py)."""
+    from pagedinfer.engine.engine_builder import assemble_engine
+    from pagedinfer.kernels import ops
+
+    shape = spec_pair.SMOKE if args.smoke else spec_pair.LLAMA3_8B
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    backend = ops.select_backend(torch.device(args.device), "auto")
+    model, construction = spec_pair.build_pair(
+        shape, args.draft_layers, args.target_agreement, args.device, dtype, backend
+    )
+    print("pair:", construction, flush=True)
+
+    def spec_config(k: int) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            method="draft", num_speculative_tokens=k, draft_model=construction.draft, **_policy(args)
+        )
+
+    config = _engine_config(
+        args, "random-llama-3-8b-shape", str(dtype).removeprefix("torch."), spec_config(ks[0])
+    )
+    llm = LLM(config, builder=lambda cfg: assemble_engine(cfg, model, None))
+    gen = torch.Generator().manual_seed(7)
+
+    def prompts(batch: int) -> list[list[int]]:
+        return [
+            torch.randint(0, shape.vocab_size, (args.prompt_len,), generator=gen).tolist()
+            for _ in range(batch)
+        ]
+
+    cached: dict[int, list[list[int]]] = {}
+
+    def prompts_of(batch: int) -> list[list[int]]:  # the same prompts for a size, every call
+        if batch not in cached:
+            cached[batch] = prompts(batch)
+        return cached[batch]
+
+    for b in sorted({1, *[int(x) for x in args.batches.split(",")]}):
+        prompts_of(b)
+    return Workload("pair", llm, prompts_of, spec_config, {"construction": asdict(construction)})
