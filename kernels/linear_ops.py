@@ -60,18 +60,21 @@ def linear(
     from pagedinfer.kernels import gemv
 
     config = gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1])
-    if config in _UNFIT_CONFIGS:
-        return F.linear(x, weight, bias)
-    try:
-        return gemv.gemv(x, weight, bias, config)
-    except OutOfResources as exc:
-        _mark_unfit(config, exc)
-        return F.linear(x, weight, bias)
+    # A tile that does not fit this GPU: the variant's small default tile, then torch's GEMM.
+    fallback = gemv.DOT_CONFIG if config.variant == "dot" else gemv.DEFAULT_CONFIG
+    for candidate in dict.fromkeys((config, fallback)):
+        if candidate in _UNFIT_CONFIGS:
+            continue
+        try:
+            return gemv.gemv(x, weight, bias, candidate)
+        except OutOfResources as exc:
+            _mark_unfit(candidate, exc)
+    return F.linear(x, weight, bias)
 
 
 def _mark_unfit(config, exc: Exception) -> None:
     _UNFIT_CONFIGS.add(config)
-    logger.warning("GEMV config %s does not fit this GPU (%s): torch's GEMM runs those layers", config, exc)
+    logger.warning("GEMV config %s does not fit this GPU (%s): not used again", config, exc)
 
 
 def uses_norm_gemv(
@@ -80,23 +83,41 @@ def uses_norm_gemv(
     norm_weight: torch.Tensor,
     weight: torch.Tensor,
     backend=None,
+    bias: torch.Tensor | None = None,
 ) -> bool:
-    """The one-row GEMV with the RMSNorm folded in: one row, one dtype for every operand."""
-    from pagedinfer.kernels.norm_gemv import MAX_ROW
+    """The one-row GEMV with the RMSNorm folded in: one row, one dtype and device for every operand.
 
-    return (
+    Shapes that do not match take the two-step path, whose checks name the problem. Triton is
+    imported only once the GEMV applies (a CPU-only install has none).
+    """
+    if not (
         NORM_GEMV_ENABLED
         and fused_ops.FUSED_KERNELS_ENABLED
         and x.dim() == 2
         and x.shape[0] == 1
-        and x.shape[1] <= MAX_ROW
         and uses_gemv(x, weight, backend)
-        and tuple(norm_weight.shape) == (x.shape[1],)
+    ):
+        return False
+    from pagedinfer.kernels.norm_gemv import MAX_ROW
+
+    k = x.shape[1]
+    return (
+        k <= MAX_ROW
+        and weight.shape[1] == k
+        and (bias is None or (tuple(bias.shape) == (weight.shape[0],) and bias.device == x.device))
+        and weight.device == x.device
+        and norm_weight.device == x.device
+        and tuple(norm_weight.shape) == (k,)
         and norm_weight.dtype == x.dtype
         and norm_weight.stride(0) == 1
         and (
             residual is None
-            or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)
+            or (
+                residual.shape == x.shape
+                and residual.dtype == x.dtype
+                and residual.device == x.device
+                and residual.stride(-1) == 1
+            )
         )
     )
 
@@ -115,7 +136,7 @@ def norm_linear(
     Without a residual h is x itself (a model's first layer). One kernel for a single row on the
     GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`.
     """
-    if uses_norm_gemv(x, residual, norm_weight, weight, backend):
+    if uses_norm_gemv(x, residual, norm_weight, weight, backend, bias):
         from triton.runtime.errors import OutOfResources
 
         from pagedinfer.kernels import gemv, norm_gemv

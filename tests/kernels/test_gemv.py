@@ -82,3 +82,28 @@ def test_a_config_that_does_not_fit_the_gpu_falls_back_to_torch(monkeypatch, cap
     torch.testing.assert_close(out, F.linear(x, w), rtol=0, atol=0)
     torch.testing.assert_close(again, out, rtol=0, atol=0)
     assert len(calls) == 1 and "does not fit" in caplog.text
+
+
+def test_a_wide_tile_that_does_not_fit_retries_the_small_dot_tile_first(monkeypatch):
+    # On a GPU with ~100 KB of shared memory the 64x256 tile fails where the 32x128 one loads.
+    from triton.runtime.errors import OutOfResources
+
+    from pagedinfer.kernels import gemv
+
+    tried = []
+
+    def fits_only_the_default(x, w, b, config):
+        tried.append(config)
+        if config != gemv.DOT_CONFIG:
+            raise OutOfResources(120_000, 101_376, "shared memory")
+        return F.linear(x, w, b) + 1  # marks the kernel's answer
+
+    monkeypatch.setattr(gemv, "gemv", fits_only_the_default)
+    monkeypatch.setattr(linear_ops, "_UNFIT_CONFIGS", set())
+    monkeypatch.setattr(linear_ops, "GEMV_ENABLED", True)
+    x, w = torch.randn(4, 32).half(), torch.randn(8200, 32).half()  # wide N: WIDE_DOT_CONFIG
+    out = linear_ops.linear(x, w, None, "triton")
+    assert tried == [gemv.WIDE_DOT_CONFIG, gemv.DOT_CONFIG]
+    torch.testing.assert_close(out, F.linear(x, w) + 1, rtol=0, atol=0)
+    linear_ops.linear(x, w, None, "triton")
+    assert tried[2:] == [gemv.DOT_CONFIG]  # the unfit tile is not tried again

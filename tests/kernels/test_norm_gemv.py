@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedinfer.kernels import fused_reference, linear_ops
+from pagedinfer.kernels import fused_ops, fused_reference, linear_ops
 from pagedinfer.kernels.norm_gemv_testing import (
     INTERPRETER_CASES,
     INTERPRETER_DTYPES,
@@ -48,11 +48,25 @@ def test_check_catches_a_missing_norm_and_a_wrong_residual():
 def test_dispatch_folds_only_one_row_on_triton():
     x, g, w = torch.randn(1, 32).half(), torch.rand(32).half(), torch.randn(8, 32).half()
     assert not linear_ops.uses_norm_gemv(x, None, g, w)  # CPU: the reference backend
-    expected = linear_ops.GEMV_ENABLED and linear_ops.NORM_GEMV_ENABLED
+    expected = linear_ops.GEMV_ENABLED and linear_ops.NORM_GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
     assert linear_ops.uses_norm_gemv(x, x.clone(), g, w, "triton") == expected
     assert not linear_ops.uses_norm_gemv(torch.randn(2, 32).half(), None, g, w, "triton")  # 2 rows
     assert not linear_ops.uses_norm_gemv(x, None, g.float(), w, "triton")  # mixed dtypes
     assert not linear_ops.uses_norm_gemv(x, None, g[:16], w, "triton")  # wrong norm shape
+    assert not linear_ops.uses_norm_gemv(x, None, g, w[:, :16], "triton")  # weight K != x's K
+    assert not linear_ops.uses_norm_gemv(x, None, g, w, "triton", torch.zeros(5).half())  # bias shape
+
+
+def test_the_cpu_path_never_imports_triton(monkeypatch):
+    # A CPU-only install (the engine-cpu image) has no Triton: the layer must not need it.
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "pagedinfer.kernels.norm_gemv", None)
+    x, r, g, w = torch.randn(1, 32), torch.randn(1, 32), torch.rand(32), torch.randn(8, 32)
+    y, h = linear_ops.norm_linear(x, r, g, 1e-6, w)
+    normed, hidden = fused_reference.add_rms_norm(x, r, g, 1e-6)
+    assert torch.equal(h, hidden) and torch.equal(y, torch.nn.functional.linear(normed, w))
 
 
 def test_fallback_equals_the_norm_then_the_linear_bit_for_bit():
@@ -90,9 +104,10 @@ def test_engine_configs_at_full_shapes(dtype, residual, n, k, bias):
     y, h = norm_gemv.add_norm_gemv(x, r, g, 1e-5, w, b, case.config)
     result = check(y, h, *reference(x, r, g, 1e-5, w, b), n, dtype)
     assert result["ok"], result
-    # And through the launcher the model calls: the same kernel.
-    y2, _ = linear_ops.norm_linear(x, r, g, 1e-5, w, b)
-    assert torch.equal(y2, y)
+    # And through the launcher the model calls: the same kernel (unless switched off for the run).
+    if linear_ops.uses_norm_gemv(x, r, g, w, None, b):
+        y2, _ = linear_ops.norm_linear(x, r, g, 1e-5, w, b)
+        assert torch.equal(y2, y)
 
 
 def test_a_norm_gemv_that_does_not_fit_the_gpu_runs_the_two_step_path(monkeypatch):
@@ -123,4 +138,4 @@ def test_a_norm_gemv_that_does_not_fit_the_gpu_runs_the_two_step_path(monkeypatc
     normed, hidden = fused_reference.add_rms_norm(x, r, g, 1e-6)
     assert torch.equal(h, hidden)
     assert torch.equal(y, torch.nn.functional.linear(normed, w))
-    assert len(calls) == 2  # the folded kernel, then the plain GEMV: both fell back
+    assert len(calls) == 3  # the folded kernel, the GEMV, its default tile: all fell back
