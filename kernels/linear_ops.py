@@ -55,26 +55,31 @@ def linear(
     """x [T, K] @ weight [N, K].T (+ bias) -> [T, N] in x's dtype."""
     if not uses_gemv(x, weight, backend):
         return F.linear(x, weight, bias)
-    from triton.runtime.errors import OutOfResources
-
     from pagedinfer.kernels import gemv
 
     config = gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1])
     # A tile that does not fit this GPU: the variant's small default tile, then torch's GEMM.
     fallback = gemv.DOT_CONFIG if config.variant == "dot" else gemv.DEFAULT_CONFIG
     for candidate in dict.fromkeys((config, fallback)):
-        if candidate in _UNFIT_CONFIGS:
-            continue
-        try:
-            return gemv.gemv(x, weight, bias, candidate)
-        except OutOfResources as exc:
-            _mark_unfit(candidate, exc)
+        y = _launch_if_fits(candidate, lambda c=candidate: gemv.gemv(x, weight, bias, c))
+        if y is not None:
+            return y
     return F.linear(x, weight, bias)
 
 
-def _mark_unfit(config, exc: Exception) -> None:
-    _UNFIT_CONFIGS.add(config)
-    logger.warning("GEMV config %s does not fit this GPU (%s): not used again", config, exc)
+def _launch_if_fits(key, launch):
+    """launch() unless `key` (a kernel config) is known not to fit this GPU; None when it does
+    not: Triton raises OutOfResources as the kernel loads, before anything runs on the device."""
+    from triton.runtime.errors import OutOfResources
+
+    if key in _UNFIT_CONFIGS:
+        return None
+    try:
+        return launch()
+    except OutOfResources as exc:
+        _UNFIT_CONFIGS.add(key)
+        logger.warning("GEMV config %s does not fit this GPU (%s): not used again", key, exc)
+        return None
 
 
 def uses_norm_gemv(
@@ -137,17 +142,15 @@ def norm_linear(
     GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`.
     """
     if uses_norm_gemv(x, residual, norm_weight, weight, backend, bias):
-        from triton.runtime.errors import OutOfResources
-
         from pagedinfer.kernels import gemv, norm_gemv
 
         config = gemv.config_for(1, weight.shape[0], weight.shape[1])
-        key = ("norm", config)
-        if key not in _UNFIT_CONFIGS:
-            try:
-                return norm_gemv.add_norm_gemv(x, residual, norm_weight, eps, weight, bias, config)
-            except OutOfResources as exc:
-                _mark_unfit(key, exc)
+        out = _launch_if_fits(
+            ("norm", config),
+            lambda: norm_gemv.add_norm_gemv(x, residual, norm_weight, eps, weight, bias, config),
+        )
+        if out is not None:
+            return out
     if residual is None:
         normed, hidden = fused_ops.rms_norm(x, norm_weight, eps, backend=backend), x
     else:
