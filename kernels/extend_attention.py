@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedinfer.kernels import short_extend_attention
+
 LOG2E = 1.4426950408889634
 
 
@@ -140,16 +142,24 @@ def paged_extend_attention(
     max_query_len: int | None = None,
     config: ExtendConfig | None = None,
 ) -> torch.Tensor:
-    """query [T, H, D] -> out [T, H, D]; arguments already checked by ops.paged_extend_attention."""
+    """query [T, H, D] -> out [T, H, D]; arguments already checked by ops.paged_extend_attention.
+
+    Short chunks (speculative verification: a few tokens a sequence) go to the GQA-packed split-K
+    kernel of short_extend_attention unless a config forces this one's tiles.
+    """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    config = config or default_config(head_dim, block_tables.shape[1] * block_size, query.device)
-    out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return torch.empty_like(query)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if config is None and short_extend_attention.takes(max_query_len, num_heads, num_kv_heads):
+        return short_extend_attention.paged_short_extend_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
+        )
+    config = config or default_config(head_dim, block_tables.shape[1] * block_size, query.device)
+    out = torch.empty_like(query)
     num_tiles = triton.cdiv(max(1, max_query_len), config.block_m)
     _extend_kernel[(num_heads, num_tiles, num_seqs)](
         query,

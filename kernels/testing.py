@@ -43,6 +43,7 @@ class AttentionCase:
     merge: str | None = None  # decode, Triton: "kernel" / "pdl" / "fused" (DecodeConfig.merge); None: default
     repeat_splits: tuple[int, ...] = ()  # decode: call again with each split count (fused counters reset)
     max_context_len: int | None = None  # decode, Triton: the host-side bound on the contexts
+    extend_path: str | None = None  # extend, Triton: "tiled" / "short" forces a kernel; None: dispatch
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,23 @@ def _run_attention(case: AttentionCase, x: dict, backend: str, upcast: bool) -> 
             if case.max_context_len is not None:
                 kw["max_context_len"] = case.max_context_len
         return fn_decode(q, kc, vc, x["block_tables"], x["lens"], x["scale"], **kw)
+    if case.extend_path is not None and backend == "triton":
+        fn_extend, kw = _forced_extend(case, q.device)
     return fn_extend(
         q, kc, vc, x["block_tables"], x["query_start_loc"], x["lens"], x["scale"], x["max_query_len"], **kw
     )
+
+
+def _forced_extend(case: AttentionCase, device: torch.device):
+    """The extend kernel case.extend_path names, bypassing the dispatch on the query length."""
+    if case.extend_path == "short":
+        from pagedinfer.kernels import short_extend_attention as sea
+
+        return sea.paged_short_extend_attention, {"num_splits": case.num_splits}
+    from pagedinfer.kernels import extend_attention as ea
+
+    block_table_tokens = 1 << 20  # any capacity: the tiles only
+    return ea.paged_extend_attention, {"config": ea.default_config(case.head_dim, block_table_tokens, device)}
 
 
 def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
@@ -229,6 +244,18 @@ INTERPRETER_CASES = (
     _C("extend_shared_prefix", "extend", (50, 45), q_lens=(3, 13), shared_blocks=2),
     _C("extend_chunk_d128", "extend", (97,), q_lens=(70,), num_heads=4, num_kv_heads=1, head_dim=128),
     _C("extend_mha_d80_bs8", "extend", (30, 9), q_lens=(17, 9), num_heads=2, num_kv_heads=2, head_dim=80, block_size=8),
+    _C("extend_short_tiled", "extend", (50, 45, 7), q_lens=(5, 3, 5), shared_blocks=2, extend_path="tiled"),
+    # short chunks (speculative verification): GQA-packed rows, split-K, causal within the chunk
+    _C("extend_short_verify_splits", "extend", (37, 70, 5, 130), q_lens=(5, 5, 5, 1), num_heads=8, num_kv_heads=2,
+       num_splits=3, shared_blocks=1, extend_path="short"),
+    _C("extend_short_smollm_prefill", "extend", (16, 17, 33, 7), q_lens=(7, 7, 1, 7), num_heads=9, num_kv_heads=3,
+       num_splits=1, extend_path="short"),
+    _C("extend_short_pad_rows", "extend", (1, 20, 9), q_lens=(0, 4, 2), num_splits=4, extend_path="short"),
+    _C("extend_short_mha_d80_bs8", "extend", (30, 9), q_lens=(3, 2), num_heads=4, num_kv_heads=4, head_dim=80,
+       block_size=8, extend_path="short"),
+    _C("extend_short_group8_d128", "extend", (50, 64), q_lens=(8, 6), num_heads=16, num_kv_heads=2, head_dim=128,
+       num_splits=2, extend_path="short"),
+    _C("extend_short_dispatch", "extend", (40, 47, 95), q_lens=(4, 1, 4), num_heads=8, num_kv_heads=2),
 )  # fmt: skip
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

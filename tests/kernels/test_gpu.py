@@ -47,6 +47,14 @@ GPU_CASES = (
     _C("extend_smollm_chunk", "extend", (1500, 515), q_lens=(333, 1), shared_blocks=16, **SMOLLM),
     _C("extend_d256", "extend", (600, 300), q_lens=(200, 300), num_heads=4, num_kv_heads=2, head_dim=256),
     _C("extend_d80", "extend", (600, 300), q_lens=(200, 300), num_heads=4, num_kv_heads=2, head_dim=80),
+    # short chunks (speculative verification) through the dispatch, forced splits and the tiled kernel
+    _C("extend_llama_verify_b1_8k", "extend", (8192,), q_lens=(5,), **LLAMA),
+    _C("extend_llama_verify_b8", "extend", (600, 5, 2049, 700, 31, 4100, 17, 1000), q_lens=(5, 5, 3, 1, 5, 5, 2, 5),
+       shared_blocks=1, **LLAMA),
+    _C("extend_llama_verify_q16_splits", "extend", (3000, 16, 700), q_lens=(16, 16, 9), num_splits=64,
+       extend_path="short", **LLAMA),
+    _C("extend_smollm_verify", "extend", (2048, 5, 7, 999, 1), q_lens=(7, 5, 7, 2, 0), **SMOLLM),
+    _C("extend_llama_verify_tiled", "extend", (600, 2049, 31), q_lens=(5, 3, 5), extend_path="tiled", **LLAMA),
 )  # fmt: skip
 
 

@@ -1,0 +1,216 @@
+"""Triton paged extend attention for short query chunks: GQA-packed and split-K, like decode.
+
+Speculative verification scores K drafted tokens + 1 per sequence (2-16 rows). The tiled extend
+kernel (extend_attention.py) gives every (query tile, query head) a program of >= 64 rows, so a
+5-token verification is one mostly-padding program per query head: each KV head is read once per
+query head of its group, and the whole context streams through one serial loop per program.
+
+Here a program takes every new token of one sequence times the GROUP query heads of one KV head
+(row r = token * GROUP_P2 + head in group, so a K/V tile is loaded once for all of them) and one
+split of the context, as the decode kernel does; row r sees the keys up to its own position
+(seq_len - q_len + token). With several splits each writes a normalized partial and its base-2
+log-sum-exp per (token, head) row, and decode_merge.reduce_splits merges them (a second kernel,
+launched as a programmatic dependent where the GPU supports it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedinfer.kernels.decode_attention import (
+    LOG2E,
+    MAX_SPLITS,
+    _load_tile,
+    _tile_block_ids,
+    default_num_splits,
+)
+from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported, reduce_splits
+
+# Rows of one program (query tokens x group heads, padded to powers of two) up to which the short
+# path is taken: 16 tokens at group 4 (Llama-3-8B), 8 at group 8. Past it the tiled kernel's
+# BLOCK_M rows are mostly real tokens anyway.
+MAX_ROWS = 64
+# A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
+SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
+
+
+@dataclass(frozen=True)
+class ShortExtendConfig:
+    """Tile shape (BLOCK_N keys per iteration) of the short-chunk kernel."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(device: torch.device) -> ShortExtendConfig:
+    if device.type != "cuda":  # interpreter: each iteration costs, not the tile's size
+        return ShortExtendConfig(block_n=32, num_warps=4, num_stages=1)
+    return ShortExtendConfig()
+
+
+def rows_per_program(max_query_len: int, group: int) -> int:
+    return max(16, triton.next_power_of_2(max(1, max_query_len)) * triton.next_power_of_2(group))
+
+
+def takes(max_query_len: int | None, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a chunk of at most max_query_len tokens a sequence goes to this kernel."""
+    if not SHORT_EXTEND_ENABLED or max_query_len is None or max_query_len < 1:
+        return False
+    return rows_per_program(max_query_len, num_heads // num_kv_heads) <= MAX_ROWS
+
+
+@triton.jit
+def _short_extend_kernel(
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [NB, BS, KVH, D]
+    v_cache_ptr,  # [NB, BS, KVH, D]
+    block_tables_ptr,  # int32 [S, MB]
+    query_start_loc_ptr,  # int32 [S + 1]
+    seq_lens_ptr,  # int32 [S]: cached + new tokens
+    out_ptr,  # [T, H, D] (written when not IS_SPLIT)
+    part_out_ptr,  # fp32 [T, H, num_splits, D_PAD] (written when IS_SPLIT)
+    part_lse_ptr,  # fp32 [T, H, num_splits]
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bts, stride_ot, stride_oh, head_dim, num_heads, num_splits,
+    IS_SPLIT: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+):  # fmt: skip
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()  # the PDL merge may be scheduled now; it waits for our results
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    r = tl.arange(0, ROWS)
+    tok = r // GROUP_P2
+    g = r % GROUP_P2
+    row_ok = (tok < q_len) & (g < GROUP)
+    heads = kv_head * GROUP + g  # [ROWS]
+    last_key = tl.where(row_ok, seq_len - q_len + tok, -1)  # causal: the row's own position
+    tokens = (q_start + tok).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    d_mask = d < head_dim
+    q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [ROWS, D_PAD]
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_mask = pos < end
+        ids = _tile_block_ids(table_row, pos, end, BLOCK_SIZE)
+        k = _load_tile(k_base, ids, pos, n_mask, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [ROWS, BLOCK_N]
+        s = tl.where(n_mask[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key of this tile yet
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, ids, pos, n_mask, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if not IS_SPLIT:
+        o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    else:
+        row = (tokens * num_heads + heads) * num_splits + split  # [ROWS]
+        tl.store(part_out_ptr + row[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+
+
+def paged_short_extend_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    num_splits: int | None = None,
+    config: ShortExtendConfig | None = None,
+) -> torch.Tensor:
+    """query [T, H, D] -> out [T, H, D], every sequence bringing <= max_query_len new tokens
+    (checked by ops.paged_extend_attention). num_splits None: from the grid, as for decode."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    rows = rows_per_program(max_query_len, group)
+    if rows > MAX_ROWS:
+        raise ValueError(f"{max_query_len} tokens x group {group} exceed the short path's {MAX_ROWS} rows")
+    config = config or default_config(query.device)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, query.device)
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_tokens, num_heads, num_splits, d_pad, dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel without splits
+    use_pdl = num_splits > 1 and pdl_supported(query.device)
+    _short_extend_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        num_heads,
+        num_splits,
+        IS_SPLIT=num_splits > 1,
+        LAUNCH_DEPENDENTS=use_pdl,
+        GROUP=group,
+        GROUP_P2=triton.next_power_of_2(group),
+        ROWS=rows,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        D_PAD=d_pad,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        reduce_splits(part_out, part_lse, out, use_pdl=use_pdl)
+    return out

@@ -1,0 +1,94 @@
+"""Which extend kernel a chunk goes to: short chunks (speculative verification) take the
+GQA-packed split-K kernel of kernels/short_extend_attention.py, longer ones the tiled kernel.
+Numerics of both are checked under the interpreter (test_triton_interpret.py) and on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedinfer.kernels import extend_attention as ea  # noqa: E402
+from pagedinfer.kernels import short_extend_attention as sea  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "max_query_len,num_heads,num_kv_heads,expect",
+    [
+        (1, 32, 8, True),
+        (5, 32, 8, True),  # Llama-3-8B verifying K = 4: 8 tokens x 4 heads = 32 rows
+        (16, 32, 8, True),  # 64 rows, the limit
+        (17, 32, 8, False),
+        (8, 16, 2, True),  # group 8: 8 x 8 = 64 rows
+        (9, 16, 2, False),
+        (7, 9, 3, True),  # SmolLM2 at K = 6: 8 x 4 rows
+        (0, 32, 8, False),
+        (None, 32, 8, False),
+    ],
+)
+def test_takes_short_chunks_only(max_query_len, num_heads, num_kv_heads, expect):
+    assert sea.takes(max_query_len, num_heads, num_kv_heads) is expect
+
+
+def _inputs(q_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2) -> dict:
+    seq_lens = [n + 20 for n in q_lens]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return {
+        "query": torch.randn(sum(q_lens), num_heads, 64),
+        "key_cache": torch.randn(8, 16, num_kv_heads, 64),
+        "value_cache": torch.randn(8, 16, num_kv_heads, 64),
+        "block_tables": torch.arange(8, dtype=torch.int32).view(2, 4)[: len(q_lens)],
+        "query_start_loc": qsl,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "scale": 0.125,
+    }
+
+
+class _Spy:
+    """Stands in for a kernel launch (`kernel[grid](...)`) or a launcher function; records calls."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(grid)
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(args)
+        return "short"
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    short, tiled = _Spy(), _Spy()
+    monkeypatch.setattr(sea, "paged_short_extend_attention", short)
+    monkeypatch.setattr(ea, "_extend_kernel", tiled)
+    return short, tiled
+
+
+def test_dispatch_sends_short_chunks_to_the_short_kernel(spies):
+    short, tiled = spies
+    assert ea.paged_extend_attention(**_inputs([5, 3]), max_query_len=5) == "short"
+    assert len(short.calls) == 1 and not tiled.calls
+
+
+def test_dispatch_keeps_long_chunks_and_forced_configs_on_the_tiled_kernel(spies):
+    short, tiled = spies
+    ea.paged_extend_attention(**_inputs([40, 3]), max_query_len=40)
+    config = ea.ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    ea.paged_extend_attention(**_inputs([5, 3]), max_query_len=5, config=config)
+    assert not short.calls and len(tiled.calls) == 2
+
+
+def test_switch_off_keeps_short_chunks_on_the_tiled_kernel(spies, monkeypatch):
+    short, tiled = spies
+    monkeypatch.setattr(sea, "SHORT_EXTEND_ENABLED", False)
+    ea.paged_extend_attention(**_inputs([5, 3]), max_query_len=5)
+    assert not short.calls and len(tiled.calls) == 1
+
+
+def test_short_kernel_rejects_too_many_rows():
+    x = _inputs([17])
+    with pytest.raises(ValueError, match="exceed"):
+        sea.paged_short_extend_attention(**x, max_query_len=17)
