@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+import plotting  # bench/ is on sys.path (bench/attention.py puts it there)
 import torch
 import torch.nn.functional as F
 
@@ -310,12 +311,10 @@ def tune_extend(x: dict, timer, flops: float) -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
+    drawn = plotting.subplots(path, 1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
+    if drawn is None:
+        return
+    fig, (ax1, ax2) = drawn
     names = ["triton", "unbounded", "fused", "pdl", "cuda", "sdpa", "gather"]
     rows = [r for r in result["decode"] if r.get("model", LLAMA.name) == LLAMA.name]
     width = 0.12
@@ -342,5 +341,4 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("TFLOP/s")
     ax2.set_title("prefill / extend (causal)")
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.save(fig, path, dpi=120)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plotting  # noqa: E402
 from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
 
 from pagedinfer.kernels.gemv import GemvConfig, gemv  # noqa: E402
@@ -172,15 +173,10 @@ def main() -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    drawn = plotting.subplots(path, figsize=(9, 4))
+    if drawn is None:
         return
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = drawn
     labels = [f"{r['shape']}\nM={r['m']}" for r in results["layers"]]
     xs = range(len(labels))
     ax.bar(
@@ -196,8 +192,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks(list(xs), labels, fontsize=6)
     ax.set_ylabel("weight bytes / time, fraction of copy bw")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.save(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from pagedinfer._native import BlockManager
 from pagedinfer.engine.models.builtin import builtin_path
 from pagedinfer.engine.models.loader import load_model
 from pagedinfer.engine.models.testing import PagedRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plotting  # noqa: E402  (bench/ is not a package)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -111,12 +115,10 @@ def main() -> None:
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    drawn = plotting.subplots(path, 1, 2, figsize=(10, 4))
+    if drawn is None:
+        return
+    fig, (ax1, ax2) = drawn
     labels = [f"batch {r['batch']}" for r in result["generate"]]
     x = range(len(labels))
     ax1.bar([i - 0.2 for i in x], [r["ours_tok_s"] for r in result["generate"]], 0.4, label="paged-infer")
@@ -131,8 +133,7 @@ def _plot(result: dict, path: Path) -> None:
     ax2.bar(["paged-infer", "transformers"], [loads["ours"], loads["transformers"]], color=["C0", "C1"])
     ax2.set_ylabel("seconds")
     ax2.set_title("load builtin GGUF")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    plotting.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,9 @@ import numpy as np
 
 from pagedinfer import _native
 from pagedinfer.engine.core import block_pool_ref as ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plotting  # noqa: E402  (bench/ is not a package)
 
 BLOCK_SIZE = 16
 IMPLS = {"native": _native.BlockManager, "python_ref": ref.BlockManager}
@@ -233,12 +237,10 @@ def batch_cases(quick: bool) -> list[tuple[str, list[int]]]:
 
 # ---- report -----------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    drawn = plotting.subplots(path, 1, 2, figsize=(12, 4.5))
+    if drawn is None:
+        return
+    fig, (ax1, ax2) = drawn
     mixes = result["op_mix"]
     names = [f"{variant}\n{impl}" for variant in mixes for impl in ("native", "python_ref")]
     values = [mixes[v][impl]["cpu_seconds"] * 1e3 for v in mixes for impl in ("native", "python_ref")]
@@ -263,8 +265,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("microseconds per build_batch (log)")
     ax2.set_title("build_batch, block size 16")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.save(fig, path, dpi=120)
 
 
 def _cpu_name() -> str:

@@ -15,6 +15,7 @@ import json
 import logging
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ from pagedinfer.operator.testing import (
     running_operator,
     test_config,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plotting  # noqa: E402  (bench/ is not a package)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAMESPACE = "bench"
@@ -229,12 +233,10 @@ async def run(engines: int, samples: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    drawn = plotting.subplots(path, 1, 3, figsize=(15, 4.2))
+    if drawn is None:
+        return
+    fig, axes = drawn
     lat = [1000 * s for s in result["creation_latency_seconds"]["samples"]]
     axes[0].hist(lat, bins=15, color="tab:blue")
     axes[0].set_title("CR created -> all owned objects + status")
@@ -252,8 +254,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     }
     axes[2].bar(list(writes), list(writes.values()), color=["tab:blue", "tab:cyan", "tab:orange"])
     axes[2].set_title("API writes per no-op reconcile (target 0)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plotting.save(fig, path, dpi=110)
 
 
 def summary(r: dict[str, Any]) -> str:

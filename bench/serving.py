@@ -32,7 +32,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from serving_clients import ClientPool, RequestResult, Timer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plotting  # noqa: E402  (bench/ is not a package)
+from serving_clients import ClientPool, RequestResult, Timer  # noqa: E402
 
 
 @dataclass
@@ -424,12 +427,10 @@ def server_args(args) -> list[str]:
 
 
 def plot(results: list[LevelResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    drawn = plotting.subplots(path, 1, 2, figsize=(11, 4))
+    if drawn is None:
+        return
+    fig, (ax1, ax2) = drawn
     for mode in dict.fromkeys(r.mode for r in results):
         rows = [r for r in results if r.mode == mode]
         if not rows:
@@ -447,8 +448,7 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plotting.save(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,8 @@ import statistics
 import time
 from pathlib import Path
 
+import plotting  # bench/ is on sys.path (bench/speculative.py puts it there)
+
 
 def solve_alpha(mean_emitted: float, k: int) -> float:
     """alpha with (1 - alpha^(k+1)) / (1 - alpha) == mean_emitted (bisection; 1 <= mean <= k+1)."""
@@ -166,14 +168,6 @@ def summary(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
     labels, base, fast = [], [], []
     for name, workload in results["workloads"].items():
         for r in workload["rows"]:
@@ -183,7 +177,10 @@ def plot(results: dict, path: Path) -> None:
     if not labels:
         return
     xs = range(len(labels))
-    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4.5))
+    drawn = plotting.subplots(path, figsize=(1.6 * len(labels) + 2, 4.5))
+    if drawn is None:
+        return
+    fig, ax = drawn
     ax.bar([x - 0.2 for x in xs], base, 0.4, label="no speculation")
     ax.bar([x + 0.2 for x in xs], fast, 0.4, label="speculative")
     ax.set_xticks(list(xs), labels, fontsize=7)
@@ -191,5 +188,4 @@ def plot(results: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title(f"Speculative decoding, {results['machine']['device']}, greedy")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.save(fig, path, dpi=120)

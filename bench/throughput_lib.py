@@ -6,6 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import plotting  # bench/ is on sys.path (bench/throughput.py puts it there)
 import torch
 
 from pagedinfer.engine.sampling_params import SamplingParams
@@ -165,16 +166,13 @@ def decode_floor_ms(weight_bytes: int, kv_bytes: int, bandwidth_gbps: float) -> 
 
 
 def plot_results(result: dict, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    is_cpu = result["mode"] == "cpu"
+    drawn = plotting.subplots(path, 1, 1 if is_cpu else 2, figsize=(6, 4) if is_cpu else (11, 4))
+    if drawn is None:
         return
-    if result["mode"] == "cpu":
-        fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = drawn
+    if is_cpu:
+        ax = axes
         names = ["pagedinfer\n16 concurrent", "transformers\none by one"]
         values = [
             result["ours_16_concurrent"]["output_tok_s"],
@@ -184,7 +182,7 @@ def plot_results(result: dict, path) -> None:
         ax.set_ylabel("output tokens / s")
         ax.set_title(f"SmolLM2-135M on CPU: {result['ratio']:.1f}x")
     else:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        a1, a2 = axes
         curve = result["concurrency_curve"]
         a1.plot(
             [c["concurrency"] for c in curve], [c["output_tok_s"] for c in curve], "o-", label="pagedinfer"
@@ -204,6 +202,4 @@ def plot_results(result: dict, path) -> None:
         a2.set_xticks(list(x), labels)
         a2.set_ylabel("ms per decode step")
         a2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.save(fig, path, dpi=120)
