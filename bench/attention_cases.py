@@ -234,8 +234,10 @@ def _config_dict(config) -> dict:
     return {k: v.value if isinstance(v, SplitMerge) else v for k, v in vars(config).items()}
 
 
-def extend_inputs(batch: int, new: int, seq_len: int, heads: Heads = LLAMA) -> dict:
-    x = _paged_cache(batch, seq_len, heads)
+def extend_inputs(batch: int, new: int, seq_len: int, heads: Heads = LLAMA, width: int | None = None) -> dict:
+    """batch x new query tokens, the last of seq_len each; block tables `width` tokens wide (default
+    seq_len; wider as in the engine's CUDA graphs)."""
+    x = _paged_cache(batch, width or seq_len, heads)
     x["query"] = torch.randn(batch * new, heads.num_heads, heads.head_dim, device="cuda", dtype=DTYPE)
     x["query_start_loc"] = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device="cuda")
     x["seq_lens"] = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")

@@ -73,6 +73,8 @@ step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernel
 # 3. benchmarks (each writes JSON + PNG + a text summary into OUTDIR)
 # shellcheck disable=SC2086  # ATTENTION_BENCH_ARGS (e.g. "--tune decode") splits into words
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
+# speculative verification's attention: the short-chunk kernel vs the tiled extend kernel vs decode
+step bench_verify_attention "$PY" bench/verify_attention.py --out "$OUTDIR"
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/models
 # small-batch linear layers: torch's GEMM vs kernels/gemv.py per 8B layer shape and the step's chain
 step bench_gemv "$PY" bench/gemv.py --out "$OUTDIR" --rows 1,4,16 --rep-ms 25

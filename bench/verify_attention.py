@@ -1,0 +1,164 @@
+"""Attention of a speculative verification step on the GPU: short chunks of q tokens a sequence.
+
+Side by side in one run, per (model heads, batch, q, context): the short-chunk kernel
+(kernels/short_extend_attention.py, what the extend dispatch now picks for q <= 16), the tiled
+extend kernel the engine used before for the same chunks (its default tiles for the table), the
+decode kernel at one token a sequence (what a plain decode step's attention costs: the speculative
+formula charges a verification as one plain step), and the floor: the KV bytes read over the
+device-to-device copy bandwidth measured in the same run. Timing: CUDA-graph replay over input
+sets larger than L2 (bench/attention.py's method). Tables are `width` tokens wide (the engine's
+graphs use max_model_len-wide tables: splits follow their capacity).
+
+    python bench/verify_attention.py --out OUTDIR [--quick]
+
+Writes OUT/verify_attention.json and .png, prints a table with the ratios. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_cases as cases  # noqa: E402  (bench/ is not a package)
+import plotting  # noqa: E402
+from attention import ROTATE_BYTES, _bench_graph, measure_copy_bandwidth  # noqa: E402
+
+from pagedinfer.kernels import extend_attention as ea  # noqa: E402
+from pagedinfer.kernels import ops  # noqa: E402
+
+# (heads, batch, q tokens a sequence, context, table width in tokens)
+SHAPES = [
+    *[(cases.LLAMA, b, 5, c, 8192) for b in (1, 8, 64) for c in (512, 2048, 8192)],
+    *[(cases.LLAMA, 1, q, 1024, 8192) for q in (3, 7, 16)],
+    *[(cases.SMOLLM2, b, q, 1024, 8192) for b in (1, 8) for q in (3, 5, 7)],
+]
+QUICK = [s for s in SHAPES if s[3] in (1024, 2048) and s[1] <= 8]
+
+
+def verify_inputs(heads, batch: int, q: int, context: int, width: int) -> dict:
+    """q new tokens a sequence at the end of `context`, tables `width` tokens wide, plus the last
+    token alone for the one-token decode."""
+    x = cases.extend_inputs(batch, q, context, heads, width)
+    x["decode_query"] = x["query"][q - 1 :: q].contiguous()
+    return x
+
+
+def _variants(x: dict) -> dict:
+    args = (
+        x["query"],
+        x["key_cache"],
+        x["value_cache"],
+        x["block_tables"],
+        x["query_start_loc"],
+        x["seq_lens"],
+    )
+    tiled = ea.default_config(
+        x["heads"].head_dim, x["block_tables"].shape[1] * cases.BLOCK_SIZE, x["query"].device
+    )
+    dec = (x["decode_query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
+    return {
+        "short": lambda: ops.paged_extend_attention(*args, x["scale"], max_query_len=x["new"]),
+        "tiled": lambda: ea.paged_extend_attention(*args, x["scale"], max_query_len=x["new"], config=tiled),
+        "decode_1tok": lambda: ops.paged_decode_attention(*dec),
+    }
+
+
+def bench_shape(heads, batch: int, q: int, context: int, width: int, copy_gbps: float, rep_ms: int) -> dict:
+    kv_bytes = cases.decode_kv_bytes(batch, context, heads)
+    table_bytes = cases.decode_kv_bytes(batch, width, heads)
+    num_sets = max(1, min(32, -(-ROTATE_BYTES // table_bytes)))
+    sets = [verify_inputs(heads, batch, q, context, width) for _ in range(num_sets)]
+    row = {
+        "model": heads.name,
+        "batch": batch,
+        "q": q,
+        "context": context,
+        "width": width,
+        "kv_bytes": kv_bytes,
+    }
+    row["floor_ms"] = kv_bytes / copy_gbps / 1e6
+    ref = _variants(sets[0])["tiled"]()
+    for name in ("short", "tiled", "decode_1tok"):
+        fns = [_variants(x)[name] for x in sets]
+        out = fns[0]()
+        err = (
+            float((out.float() - ref.float()).norm() / ref.float().norm()) if name != "decode_1tok" else None
+        )
+        row[name] = {"ms": _bench_graph(fns, rep_ms), "rel_err_vs_tiled": err}
+    del sets
+    torch.cuda.empty_cache()
+    row["short_vs_tiled"] = row["tiled"]["ms"] / row["short"]["ms"]
+    row["short_vs_decode"] = row["short"]["ms"] / row["decode_1tok"]["ms"]
+    row["short_vs_floor"] = row["short"]["ms"] / row["floor_ms"]
+    return row
+
+
+def summarize(result: dict) -> str:
+    lines = [
+        f"verification attention, {result['device']}, copy {result['copy_gbps']:.0f} GB/s; us per call",
+        "| model | B x q @ ctx | short | tiled (before) | speedup | decode 1 tok | short / decode | floor | short / floor |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['batch']}x{r['q']} @ {r['context']} | {r['short']['ms'] * 1e3:.1f} | "
+            f"{r['tiled']['ms'] * 1e3:.1f} | {r['short_vs_tiled']:.2f}x | {r['decode_1tok']['ms'] * 1e3:.1f} | "
+            f"{r['short_vs_decode']:.2f} | {r['floor_ms'] * 1e3:.1f} | {r['short_vs_floor']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    drawn = plotting.subplots(path, 1, 1, figsize=(10, 4))
+    if drawn is None:
+        return
+    fig, ax = drawn
+    rows = result["rows"]
+    labels = [f"{r['model'][:6]} {r['batch']}x{r['q']}@{r['context']}" for r in rows]
+    xs = range(len(rows))
+    for i, name in enumerate(("short", "tiled", "decode_1tok")):
+        ax.bar([x + (i - 1) * 0.27 for x in xs], [r[name]["ms"] * 1e3 for r in rows], 0.27, label=name)
+    ax.scatter(list(xs), [r["floor_ms"] * 1e3 for r in rows], color="k", marker="_", s=200, label="KV floor")
+    ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("us per call (graph replay)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("verification attention: short-chunk kernel vs tiled extend vs one-token decode")
+    plotting.save(fig, path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/verify_attention.py needs a CUDA GPU; nothing measured")
+        return 0
+    torch.manual_seed(0)
+    rep_ms = 20 if args.quick else 50
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_gbps": measure_copy_bandwidth(rep_ms),
+        "rows": [],
+    }
+    for shape in QUICK if args.quick else SHAPES:
+        result["rows"].append(bench_shape(*shape, result["copy_gbps"], rep_ms))
+        print(json.dumps(result["rows"][-1]), flush=True)
+    (out / "verify_attention.json").write_text(json.dumps(result, indent=1))
+    summary = summarize(result)
+    (out / "verify_attention_summary.txt").write_text(summary + "\n")
+    plot(result, out / "verify_attention.png")
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
