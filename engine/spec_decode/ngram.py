@@ -1,11 +1,12 @@
 """Prompt-lookup (n-gram) proposer: drafts what followed an earlier occurrence of the sequence's
 last n tokens, n from ngram_max down to ngram_min. No model, no device memory.
 
-Among equally long matches it takes the one whose preceding `context_window` tokens share the
-most tokens with the window before the sequence's own suffix, then the latest. Why: after an
-edit (an inserted comma, a changed word) only the last token matches, and it occurs in many
-places; the right one is where the text copied so far came from, whose context still resembles
-the recent output (the latest occurrence alone chose worse: bench/NOTES.md, n-gram on CPU).
+Among equally long matches it ranks the latest MAX_RANKED_TIES of them by how many of their
+preceding `context_window` tokens occur in the window before the sequence's own suffix, and takes
+the best ranked, then the latest. Why: after an edit (an inserted comma, a changed word) only the
+last token matches, and it occurs in many places; the right one is where the text copied so far
+came from, whose context still resembles the recent output (the latest occurrence alone chose
+worse: bench/NOTES.md, n-gram on CPU).
 
 Matching is vectorized with numpy over the candidate positions: candidates are the earlier
 occurrences of the last token, extended backwards one token at a time (at most ngram_max
@@ -24,6 +25,13 @@ from pagedinfer.engine.spec_decode.proposer import DraftProposals, DraftRequest
 
 # Tokens before a match compared with those before the suffix, to rank equally long matches.
 CONTEXT_WINDOW = 8
+# At most this many equally long matches, the latest, are ranked per sequence; older ones are
+# never chosen. Why: repetitive text (one token repeated, a short period) ties at nearly every
+# position, and ranking all ties ([C, W, W] compares) cost ~5-10x the matching itself (B 64 x
+# 4096 constant tokens: ~113 ms against ~21 ms capped, bench/NOTES.md), while such ties have
+# alike contexts anyway. 32: when copying a text, a token's source lies about (its count in the
+# text) ties back; the bench's editing texts hold at most 20 of any word ("the").
+MAX_RANKED_TIES = 32
 
 
 def context_overlap(
@@ -45,6 +53,16 @@ def context_overlap(
     return (seen & a_ok).sum(axis=1)
 
 
+def _latest_per_group(items: np.ndarray, group: np.ndarray, num_groups: int, limit: int) -> np.ndarray:
+    """The last `limit` items of each group.
+
+    items [N], group [N] int in [0, num_groups), sorted by group (items keep their order).
+    Returns [<= N] items.
+    """
+    group_end = np.cumsum(np.bincount(group, minlength=num_groups))  # [G] one past each group
+    return items[np.arange(items.shape[0]) >= group_end[group] - limit]
+
+
 def find_ngram_draft(
     tokens: np.ndarray,
     ngram_min: int,
@@ -57,8 +75,9 @@ def find_ngram_draft(
     tokens [L] int: the sequence so far. A match of length n in [ngram_min, ngram_max] ending at
     position j < L - 1 means tokens[j - n + 1 : j + 1] == tokens[L - n :]; the draft is
     tokens[j + 1 :] extended periodically to `max_draft` tokens. Empty when nothing matches.
-    Equally long matches: the most `context_overlap` between the windows ending just before the
-    match and just before the suffix, then the latest (context_window 0: the latest).
+    Equally long matches: of the latest MAX_RANKED_TIES, the one with the most `context_overlap`
+    between the windows ending just before the match and just before the suffix, then the latest
+    (context_window 0: the latest).
     """
     num_tokens = int(tokens.shape[0])
     if num_tokens < ngram_min + 1 or max_draft <= 0:
@@ -78,7 +97,7 @@ def find_ngram_draft(
     best = match_len.max()
     if best < ngram_min:
         return tokens[:0]
-    longest = np.flatnonzero(match_len == best)  # ascending positions
+    longest = np.flatnonzero(match_len == best)[-MAX_RANKED_TIES:]  # ascending positions
     if context_window > 0 and longest.size > 1:
         cands = ends[longest]
         b_ends = np.full(cands.shape, num_tokens - 1 - best)
@@ -104,8 +123,8 @@ def find_ngram_drafts(
     flat [T] int: all sequences back to back; sequence b is flat[starts[b] : starts[b] + lengths[b]].
     max_drafts [B] int. Same result per sequence as `find_ngram_draft`, in a fixed number of
     numpy calls: candidates (earlier occurrences of each sequence's last token) of all sequences
-    are matched backwards together, then each sequence keeps its longest, then most similar in
-    context, then latest match.
+    are matched backwards together, then each sequence keeps its longest, then (among the latest
+    MAX_RANKED_TIES of those) most similar in context, then latest match.
     """
     num_seqs = int(lengths.shape[0])
     if flat.shape[0] == 0:
@@ -136,6 +155,8 @@ def find_ngram_drafts(
         longest = np.zeros(num_seqs, dtype=np.int64)  # [B]
         np.maximum.at(longest, cand_seq, match_len)
         tied = np.flatnonzero(match_len == longest[cand_seq])  # only these can be chosen
+        # Unranked older ties keep rank = match_len * (W + 1), which never beats a ranked later tie.
+        tied = _latest_per_group(tied, cand_seq[tied], num_seqs, MAX_RANKED_TIES)
         if tied.size > np.count_nonzero(longest):  # some sequence has a tie to break
             seq, n = cand_seq[tied], match_len[tied]
             rank[tied] += context_overlap(
