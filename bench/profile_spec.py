@@ -76,6 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     # what the workload builders read (bench/speculative.py's defaults)
     args.num_blocks, args.min_acceptance_rate, args.draft = 512, None, "self:layers=0-9,20-29"
+    args.max_model_len = 1024
     args.draft_layers, args.target_agreement, args.prompt_len = 2, 0.8, 128
     args.batches = str(args.batch)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -225,6 +225,12 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=1024,
+        help="also the block tables' width (graphs are captured at it)",
+    )
     parser.add_argument("--draft-layers", type=int, default=2, help="pair: the draft is the first L layers")
     parser.add_argument("--target-agreement", type=float, default=0.8, help="pair: teacher-forced agreement")
     parser.add_argument("--prompt-len", type=int, default=128, help="pair: random prompt tokens")
