@@ -112,7 +112,7 @@ def _gemv_dot_kernel(
     )
 
 
-MAX_ROWS = 16  # the dot variant's padded row tile
+MAX_ROWS = 64  # the dot variant's row tile is the rows padded to 16, 32 or 64
 
 # From the H200 sweep of bench/gemv.py (2026-12-03, NOTES.md "Small-batch linear layers"): at one
 # row, few output rows (N <= 4096: 256 programs) want long K tiles and 8 warps, mid-size N short
@@ -133,7 +133,8 @@ DEFAULT_CONFIG = WIDE_CONFIG
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K] with contiguous rows, bias [N] or None -> [M, N]."""
+    """x [M, K] (M <= MAX_ROWS; the reduce variant is meant for 1-2), weight [N, K] with contiguous
+    rows, bias [N] or None -> [M, N]."""
     config = config or DEFAULT_CONFIG
     num_rows, k = x.shape
     n = weight.shape[0]
@@ -167,17 +168,18 @@ def gemv(
         y.stride(0),
     )
     if config.variant == "dot":
-        _gemv_dot_kernel[grid](*args, BLOCK_M=MAX_ROWS, **common)
+        _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
     else:
         _gemv_reduce_kernel[grid](*args, **common)
     return y
 
 
 def config_for(num_rows: int, n: int, k: int) -> GemvConfig:
-    """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes)."""
-    if num_rows > 1:  # 2-16 rows: the tensor-core variant reads the weights once for all rows
-        if k > 8192:
-            return LONG_K_DOT_CONFIG
+    """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes; 17-64
+    rows, used only when PAGEDINFER_GEMV_MAX_ROWS raises the engine's limit, take the 2-16 tiles)."""
+    if num_rows > 1:  # the tensor-core variant reads the weights once for all rows
+        if k > 8192:  # 64 x 512 x tiles at 3 stages would exceed the H200's shared memory
+            return LONG_K_DOT_CONFIG if num_rows <= 16 else DOT_CONFIG
         return WIDE_DOT_CONFIG if n > 8192 else DOT_CONFIG
     if n <= 4096:
         return NARROW_CONFIG

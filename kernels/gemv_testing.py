@@ -43,6 +43,9 @@ INTERPRETER_CASES = [
     # The engine's wide-N and long-K tiles (gemv.config_for at 2-16 rows), masked edges on both.
     GemvCase("dot_wide_tile", GemvConfig("dot", 64, 256, 4, 3), 3, 70, 300),
     GemvCase("dot_long_k_tile", GemvConfig("dot", 32, 512, 4, 3), 4, 40, 600),
+    # 17-64 rows (a verification batch: B x (K + 1)): 32- and 64-row tiles
+    GemvCase("dot_24rows", GemvConfig("dot", 32, 64, 4, 2), 24, 50, 130, bias=True),
+    GemvCase("dot_64rows", GemvConfig("dot", 16, 64, 4, 2), 64, 33, 96, row_pad=3),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

@@ -25,7 +25,7 @@ GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # PAGEDINFER_GEMV=0 keeps torch's GEMM for every shape (an escape hatch, and the A/B switch of
 # the benchmarks); PAGEDINFER_GEMV_MAX_ROWS moves the row count up to which the kernel is used.
 GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
-GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "16")), 16)  # 16: gemv.MAX_ROWS
+GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "16")), 64)  # 64: gemv.MAX_ROWS
 # PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch).
 NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
 

@@ -43,7 +43,8 @@ def test_dispatch_keeps_torch_where_the_kernel_does_not_apply():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("rows", [1, 2, 16])  # the reduce variant, the dot variant at its ends
+# the reduce variant, the dot variant at 16 rows, and at 40 / 64 (PAGEDINFER_GEMV_MAX_ROWS=64)
+@pytest.mark.parametrize("rows", [1, 2, 16, 40, 64])
 @pytest.mark.parametrize(
     "n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1000, 576)]
 )
