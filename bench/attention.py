@@ -8,7 +8,7 @@ decode graphs; eager times are kept too), KV bytes read / time, and its fraction
 device-to-device copy bandwidth measured in the same run. Prefill / extend: TFLOP/s against SDPA's causal flash path (and cuDNN).
 
     python bench/attention.py --out bench/results [--quick] [--tune decode|extend|all]
-        [--decode-shapes 1x512,1x8192,64x2048] [--skip-prefill]
+        [--decode-shapes 1x512,1x8192,64x2048] [--skip-prefill] [--merge-variants]
 
 Writes OUT/attention.json, OUT/attention.png and prints a table with ratios. Needs CUDA.
 """
@@ -95,7 +95,8 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
     }
     if args.cuda_lib is not None and cases.cuda_supported(heads):
         factories["cuda"] = lambda x: cases.cuda_decode(x, args.cuda_lib)
-    if not cases.decode_splits(sets[0]) > 1:  # no split-K here: the merge variants are the same kernel
+    if not args.merge_variants or not cases.decode_splits(sets[0]) > 1:
+        # off by default (run_gpu.sh's time budget); without split-K they are the same kernel anyway
         del factories["fused"], factories["pdl"]
     for name, factory in factories.items():
         fns = [factory(x) for x in sets]
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cuda-variant", dest="cuda_variant", action="store_false")
     ap.add_argument("--decode-shapes", default=None, help="only these llama decode rows, e.g. 1x512,64x2048")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument(
+        "--merge-variants", action="store_true", help="also time the FUSED and PDL split merges forced on"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU; nothing measured")
