@@ -33,27 +33,20 @@ class NormGemvCase:
     k: int
     residual: bool = True
     bias: bool = False
-    rows: int = 1
 
 
 INTERPRETER_CASES = [
     NormGemvCase("residual", GemvConfig("reduce", 16, 32, 4, 2), 40, 96),
     NormGemvCase("residual_edges_bias", GemvConfig("reduce", 16, 32, 4, 2), 37, 75, bias=True),
     NormGemvCase("first_layer", GemvConfig("reduce", 8, 64, 4, 2), 24, 130, residual=False),
-    # 2-16 rows: the dot variant with a statistics pass over K tiles (edges masked in both)
-    NormGemvCase("dot_4rows", GemvConfig("dot", 16, 32, 4, 2), 40, 96, rows=4),
-    NormGemvCase("dot_16rows_edges_bias", GemvConfig("dot", 32, 32, 4, 2), 37, 75, bias=True, rows=16),
-    NormGemvCase("dot_first_layer_3rows", GemvConfig("dot", 16, 64, 4, 2), 24, 130, residual=False, rows=3),
-    NormGemvCase("dot_wide_tile_5rows", GemvConfig("dot", 64, 256, 4, 3), 70, 300, rows=5),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 
 def make_inputs(case: NormGemvCase, dtype: torch.dtype, device: str, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    # rows far from unit RMS and from each other (the norm must act, per row)
-    x = 3.0 * torch.randn(case.rows, case.k, generator=gen) * torch.linspace(0.5, 2.0, case.rows)[:, None]
-    residual = torch.randn(case.rows, case.k, generator=gen) if case.residual else None
+    x = 3.0 * torch.randn(1, case.k, generator=gen)  # far from unit RMS: the norm must act
+    residual = torch.randn(1, case.k, generator=gen) if case.residual else None
     norm_weight = 1.0 + 0.5 * torch.randn(case.k, generator=gen)
     w = torch.randn(case.n, case.k, generator=gen) / case.k**0.5
     b = torch.randn(case.n, generator=gen) if case.bias else None
@@ -71,9 +64,8 @@ def reference(x, residual, norm_weight, eps, w, b) -> tuple[torch.Tensor, torch.
 
 
 def check(y, hidden, ref_y, ref_hidden, n: int, dtype: torch.dtype) -> dict:
-    # the worst row: one mis-normalized row of 16 must not hide in the others
-    rel = max(float((a.double() - b).norm() / b.norm()) for a, b in zip(y, ref_y, strict=True))
-    shape_ok = tuple(y.shape) == (ref_y.shape[0], n) and y.dtype == dtype
+    rel = float((y.double() - ref_y).norm() / ref_y.norm())
+    shape_ok = tuple(y.shape) == (1, n) and y.dtype == dtype
     residual_exact = bool(torch.equal(hidden, ref_hidden))
     return {
         "rel_err": rel,

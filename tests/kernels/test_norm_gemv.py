@@ -45,16 +45,12 @@ def test_check_catches_a_missing_norm_and_a_wrong_residual():
     assert check(ref_y.float(), ref_h, ref_y, ref_h, 24, torch.float32)["ok"]
 
 
-def test_dispatch_folds_1_to_16_rows_on_triton():
+def test_dispatch_folds_only_one_row_on_triton():
     x, g, w = torch.randn(1, 32).half(), torch.rand(32).half(), torch.randn(8, 32).half()
     assert not linear_ops.uses_norm_gemv(x, None, g, w)  # CPU: the reference backend
     expected = linear_ops.GEMV_ENABLED and linear_ops.NORM_GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
     assert linear_ops.uses_norm_gemv(x, x.clone(), g, w, "triton") == expected
-    rows = torch.randn(linear_ops.NORM_GEMV_MAX_ROWS, 32).half()
-    assert linear_ops.uses_norm_gemv(rows, rows.clone(), g, w, "triton") == expected
-    too_many = torch.randn(linear_ops.NORM_GEMV_MAX_ROWS + 1, 32).half()
-    assert not linear_ops.uses_norm_gemv(too_many, None, g, w, "triton")
-    assert not linear_ops.uses_norm_gemv(rows, x, g, w, "triton")  # residual of another shape
+    assert not linear_ops.uses_norm_gemv(torch.randn(2, 32).half(), None, g, w, "triton")  # 2 rows
     assert not linear_ops.uses_norm_gemv(x, None, g.float(), w, "triton")  # mixed dtypes
     assert not linear_ops.uses_norm_gemv(x, None, g[:16], w, "triton")  # wrong norm shape
     assert not linear_ops.uses_norm_gemv(x, None, g, w[:, :16], "triton")  # weight K != x's K
@@ -97,15 +93,13 @@ def test_mismatched_norm_weight_is_a_clear_error():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "first"])
-@pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize(
     "n,k,bias", [(6144, 4096, False), (28672, 4096, False), (1536, 896, True), (1536, 576, False)]
 )
-def test_engine_configs_at_full_shapes(dtype, residual, rows, n, k, bias):
+def test_engine_configs_at_full_shapes(dtype, residual, n, k, bias):
     from pagedinfer.kernels import gemv, norm_gemv
 
-    config = gemv.config_for(rows, n, k)
-    case = NormGemvCase("gpu", config, n, k, residual=residual, bias=bias, rows=rows)
+    case = NormGemvCase("gpu", gemv.config_for(1, n, k), n, k, residual=residual, bias=bias)
     x, r, g, w, b = make_inputs(case, dtype, "cuda", seed=n + k)
     y, h = norm_gemv.add_norm_gemv(x, r, g, 1e-5, w, b, case.config)
     result = check(y, h, *reference(x, r, g, 1e-5, w, b), n, dtype)
