@@ -44,6 +44,7 @@ class AttentionCase:
     repeat_splits: tuple[int, ...] = ()  # decode: call again with each split count (fused counters reset)
     max_context_len: int | None = None  # decode, Triton: the host-side bound on the contexts
     extend_path: str | None = None  # extend, Triton: "tiled" / "short" forces a kernel; None: dispatch
+    max_query_len: int | None = None  # extend: the host-side bound passed (a graph's q); None: max(q_lens)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def _make_attention_inputs(case: AttentionCase, dtype, device, gen) -> dict:
         "block_tables": tables.to(device),
         "lens": torch.tensor(case.seq_lens, dtype=torch.int32, device=device),
         "query_start_loc": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device),
-        "max_query_len": max(q_lens),
+        "max_query_len": max(q_lens) if case.max_query_len is None else case.max_query_len,
         "scale": case.head_dim**-0.5,
     }
 
@@ -241,9 +242,11 @@ INTERPRETER_CASES = (
     _C("decode_d128_many_splits", "decode", (130, 7), num_heads=4, num_kv_heads=1, head_dim=128, num_splits=5),
     _C("extend_prefill", "extend", (16, 33, 5), q_lens=(16, 33, 5), num_heads=9, num_kv_heads=3),
     _C("extend_mixed", "extend", (1, 40, 67, 20), q_lens=(1, 7, 40, 1), num_heads=6, num_kv_heads=2),
-    _C("extend_shared_prefix", "extend", (50, 45), q_lens=(3, 13), shared_blocks=2),
+    # pinned to the tiled kernel: at these lengths the dispatch would pick the short-chunk kernel
+    _C("extend_shared_prefix", "extend", (50, 45), q_lens=(3, 13), shared_blocks=2, extend_path="tiled"),
     _C("extend_chunk_d128", "extend", (97,), q_lens=(70,), num_heads=4, num_kv_heads=1, head_dim=128),
-    _C("extend_mha_d80_bs8", "extend", (30, 9), q_lens=(17, 9), num_heads=2, num_kv_heads=2, head_dim=80, block_size=8),
+    _C("extend_mha_d80_bs8", "extend", (30, 9), q_lens=(17, 9), num_heads=2, num_kv_heads=2, head_dim=80, block_size=8,
+       extend_path="tiled"),
     _C("extend_short_tiled", "extend", (50, 45, 7), q_lens=(5, 3, 5), shared_blocks=2, extend_path="tiled"),
     # short chunks (speculative verification): GQA-packed rows, split-K, causal within the chunk
     _C("extend_short_verify_splits", "extend", (37, 70, 5, 130), q_lens=(5, 5, 5, 1), num_heads=8, num_kv_heads=2,
@@ -256,6 +259,14 @@ INTERPRETER_CASES = (
     _C("extend_short_group8_d128", "extend", (50, 64), q_lens=(8, 6), num_heads=16, num_kv_heads=2, head_dim=128,
        num_splits=2, extend_path="short"),
     _C("extend_short_dispatch", "extend", (40, 47, 95), q_lens=(4, 1, 4), num_heads=8, num_kv_heads=2),
+    # a verification graph's inputs: the bound (q = 5) above every q_len, pad sequences in one shared
+    # block with q_len == seq_len and q_len 0 (seq_len 1), the dispatch picking the kernel
+    _C("extend_short_graph_pads", "extend", (150, 37, 3, 1, 2), q_lens=(3, 1, 3, 0, 2), num_heads=8, num_kv_heads=2,
+       shared_blocks=1, max_query_len=5),
+    # 64 rows (16 tokens x group 4) at head_dim 256 in 64-token blocks; splits of 64 keys where the
+    # chunk straddles a split boundary (rows that see no key of the last split)
+    _C("extend_short_rows64_d256_bs64", "extend", (130, 70, 16), q_lens=(4, 16, 1), num_heads=8, num_kv_heads=2,
+       head_dim=256, block_size=64, num_splits=3, extend_path="short"),
 )  # fmt: skip
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

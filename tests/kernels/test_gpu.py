@@ -6,6 +6,7 @@ CPU counterparts: tests/kernels/test_triton_interpret.py (small shapes, fp32/fp1
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import zlib
 
@@ -55,6 +56,12 @@ GPU_CASES = (
        extend_path="short", **LLAMA),
     _C("extend_smollm_verify", "extend", (2048, 5, 7, 999, 1), q_lens=(7, 5, 7, 2, 0), **SMOLLM),
     _C("extend_llama_verify_tiled", "extend", (600, 2049, 31), q_lens=(5, 3, 5), extend_path="tiled", **LLAMA),
+    # 64 rows (16 tokens x group 4) at head_dim 256; a graph's bound (q = 8) above every chunk with
+    # pad sequences in one shared 64-token block (q_len == seq_len, q_len 0)
+    _C("extend_d256_verify_rows64", "extend", (2000, 300, 17), q_lens=(16, 5, 1), num_heads=8, num_kv_heads=2,
+       head_dim=256),
+    _C("extend_llama_verify_graph_pads_bs64", "extend", (3000, 700, 4, 1, 2), q_lens=(3, 5, 4, 0, 2), block_size=64,
+       shared_blocks=1, max_query_len=8, **LLAMA),
 )  # fmt: skip
 
 
@@ -109,6 +116,36 @@ def test_split_merge_under_graph_replay(merge):
         )
         rel = float((out.double() - ref).norm() / ref.norm())
         assert rel <= TOLERANCE[torch.bfloat16], rel
+
+
+def test_short_extend_under_graph_replay():
+    """A verification step's attention (the short-chunk kernel, its split partials merged by the
+    PDL reduce where supported) replayed from one CUDA graph: every replay's fresh query is seen."""
+    from pagedinfer.kernels import extend_attention as ea
+    from pagedinfer.kernels import short_extend_attention as sea
+
+    gen = torch.Generator().manual_seed(13)
+    lens, q_lens, bound = [8192, 300, 4000, 1], [5, 2, 4, 0], 5
+    assert sea.takes(bound, 32, 8)
+    tables, num_blocks = make_block_tables(lens, 16, 0, gen)
+    kc, vc = (
+        torch.randn((num_blocks, 16, 8, 128), generator=gen).to("cuda", torch.bfloat16) for _ in range(2)
+    )
+    tables, seq_lens = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+    query = torch.zeros(sum(q_lens), 32, 128, dtype=torch.bfloat16, device="cuda")
+    graph, out = _capture(
+        lambda: ea.paged_extend_attention(query, kc, vc, tables, qsl, seq_lens, 128**-0.5, bound)
+    )
+    errors = []
+    for _ in range(3):
+        query.copy_(torch.randn(query.shape, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        ref = reference.paged_extend_attention(
+            query.double(), kc.double(), vc.double(), tables, qsl, seq_lens, 128**-0.5
+        )
+        errors.append(float((out.double() - ref).norm() / ref.norm()))
+    assert max(errors) <= TOLERANCE[torch.bfloat16], errors
 
 
 @pytest.mark.parametrize("capacity_splits", [True, False], ids=["capacity", "context"])

@@ -81,6 +81,16 @@ def test_dispatch_keeps_long_chunks_and_forced_configs_on_the_tiled_kernel(spies
     assert not short.calls and len(tiled.calls) == 2
 
 
+def test_dispatch_without_a_bound_reads_the_query_lengths(spies):
+    """max_query_len None (callers that accept the device sync): the longest chunk, read from
+    query_start_loc, decides, and the short kernel is sized by it."""
+    short, tiled = spies
+    assert ea.paged_extend_attention(**_inputs([5, 3])) == "short"
+    assert short.calls[0][-1] == 5  # the max_query_len it was given
+    ea.paged_extend_attention(**_inputs([40, 3]))
+    assert len(short.calls) == 1 and len(tiled.calls) == 1
+
+
 def test_switch_off_keeps_short_chunks_on_the_tiled_kernel(spies, monkeypatch):
     short, tiled = spies
     monkeypatch.setattr(sea, "SHORT_EXTEND_ENABLED", False)
