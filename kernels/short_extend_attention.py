@@ -1,6 +1,6 @@
 """Triton paged extend attention for short query chunks: GQA-packed and split-K, like decode.
 
-Speculative verification scores K drafted tokens + 1 per sequence (2-16 rows). The tiled extend
+Speculative verification scores K drafted tokens + 1 per sequence (2-16 tokens). The tiled extend
 kernel (extend_attention.py) gives every (query tile, query head) a program of >= 64 rows, so a
 5-token verification is one mostly-padding program per query head: each KV head is read once per
 query head of its group, and the whole context streams through one serial loop per program.
@@ -32,8 +32,10 @@ from pagedinfer.kernels.decode_attention import (
 from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported, reduce_splits
 
 # Rows of one program (query tokens x group heads, padded to powers of two) up to which the short
-# path is taken: 16 tokens at group 4 (Llama-3-8B), 8 at group 8. Past it the tiled kernel's
-# BLOCK_M rows are mostly real tokens anyway.
+# path is taken: 16 tokens at group 4 (Llama-3-8B), 8 at group 8. What bounds it is the program's
+# size (its fp32 accumulator is ROWS x D_PAD: 64 registers a thread at 64 x 128 and 4 warps), not
+# the tiled kernel's padding, which is still most of its 64-128-row tiles at 17 tokens. Measured
+# up to 64 rows at head_dim 128 (bench/NOTES.md v8).
 MAX_ROWS = 64
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
@@ -154,7 +156,8 @@ def paged_short_extend_attention(
     config: ShortExtendConfig | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] -> out [T, H, D], every sequence bringing <= max_query_len new tokens
-    (checked by ops.paged_extend_attention). num_splits None: from the grid, as for decode."""
+    (ops.paged_extend_attention checks it for CPU tensors only: on CUDA the rows past it are never
+    computed). num_splits None: from the grid, as for decode."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
