@@ -1,7 +1,8 @@
 """Attention of a speculative verification step on the GPU: short chunks of q tokens a sequence.
 
 Side by side in one run, per (model heads, batch, q, context): the short-chunk kernel
-(kernels/short_extend_attention.py, what the extend dispatch now picks for q <= 16), the tiled
+(kernels/short_extend_attention.py, what the extend dispatch picks for these shapes: q <= 16 at
+groups 3 and 4; each row records the pick), the tiled
 extend kernel the engine used before for the same chunks (its default tiles for the table), the
 decode kernel at one token a sequence (what a plain decode step's attention costs: the speculative
 formula charges a verification as one plain step), and the floor: the KV bytes read over the
@@ -30,6 +31,7 @@ from attention import ROTATE_BYTES, _bench_graph, measure_copy_bandwidth  # noqa
 
 from pagedinfer.kernels import extend_attention as ea  # noqa: E402
 from pagedinfer.kernels import ops  # noqa: E402
+from pagedinfer.kernels import short_extend_attention as sea  # noqa: E402
 
 # (heads, batch, q tokens a sequence, context, table width in tokens)
 SHAPES = [
@@ -61,8 +63,10 @@ def _variants(x: dict) -> dict:
         x["heads"].head_dim, x["block_tables"].shape[1] * cases.BLOCK_SIZE, x["query"].device
     )
     dec = (x["decode_query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
+    # the short kernel named, not through the dispatch: PAGEDINFER_SHORT_EXTEND=0 or a changed
+    # MAX_ROWS would otherwise time the tiled kernel under this name (the row records the dispatch)
     return {
-        "short": lambda: ops.paged_extend_attention(*args, x["scale"], max_query_len=x["new"]),
+        "short": lambda: sea.paged_short_extend_attention(*args, x["scale"], max_query_len=x["new"]),
         "tiled": lambda: ea.paged_extend_attention(*args, x["scale"], max_query_len=x["new"], config=tiled),
         "decode_1tok": lambda: ops.paged_decode_attention(*dec),
     }
@@ -80,6 +84,7 @@ def bench_shape(heads, batch: int, q: int, context: int, width: int, copy_gbps: 
         "context": context,
         "width": width,
         "kv_bytes": kv_bytes,
+        "dispatch": "short" if sea.takes(q, heads.num_heads, heads.num_kv_heads) else "tiled",
     }
     row["floor_ms"] = kv_bytes / copy_gbps / 1e6
     ref = _variants(sets[0])["tiled"]()
