@@ -37,6 +37,10 @@ from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported
 # the tiled kernel's padding, which is still most of its 64-128-row tiles at 17 tokens. Measured
 # up to 64 rows at head_dim 128 (bench/NOTES.md v8).
 MAX_ROWS = 64
+# Tokens a sequence up to which the dispatch picks this kernel: verification's K + 1; with small
+# GQA groups (MHA: group 1) prefill chunks of up to 64 tokens would fit the rows too, and those
+# are the tiled kernel's to take (not measured here).
+MAX_TOKENS = 16
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
 
@@ -63,6 +67,8 @@ def rows_per_program(max_query_len: int, group: int) -> int:
 def takes(max_query_len: int | None, num_heads: int, num_kv_heads: int) -> bool:
     """Whether a chunk of at most max_query_len tokens a sequence goes to this kernel."""
     if not SHORT_EXTEND_ENABLED or max_query_len is None or max_query_len < 1:
+        return False
+    if max_query_len > MAX_TOKENS:
         return False
     return rows_per_program(max_query_len, num_heads // num_kv_heads) <= MAX_ROWS
 
@@ -171,7 +177,11 @@ def paged_short_extend_attention(
         return out
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, query.device)
+        # A verification graph of B sequences carries up to B pad sequences (input_batch._pad), so
+        # size the grid from the sequences the tokens can fill (B * q tokens / q), not the rows:
+        # counting the pads halves the splits at batch 8 (3 instead of 9).
+        busy_seqs = min(num_seqs, triton.cdiv(num_tokens, max(1, max_query_len)))
+        num_splits = default_num_splits(busy_seqs, num_kv_heads, max_context, query.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:

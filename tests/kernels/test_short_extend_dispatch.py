@@ -23,6 +23,8 @@ from pagedinfer.kernels import short_extend_attention as sea  # noqa: E402
         (8, 16, 2, True),  # group 8: 8 x 8 = 64 rows
         (9, 16, 2, False),
         (7, 9, 3, True),  # SmolLM2 at K = 6: 8 x 4 rows
+        (32, 2, 2, False),  # MHA: 32 rows, but a prefill chunk (past MAX_TOKENS) stays tiled
+        (16, 2, 2, True),
         (0, 32, 8, False),
         (None, 32, 8, False),
     ],
@@ -102,3 +104,30 @@ def test_short_kernel_rejects_too_many_rows():
     x = _inputs([17])
     with pytest.raises(ValueError, match="exceed"):
         sea.paged_short_extend_attention(**x, max_query_len=17)
+
+
+def test_grid_counts_the_sequences_the_tokens_fill_not_the_graph_pads(monkeypatch):
+    # A verification graph of B = 4 sequences at q = 5 carries 4 pad sequences with no tokens; the
+    # split count must be sized for 4 busy sequences, as an eager step of the same batch would be.
+    seen, launches = [], []
+
+    def splits(num_seqs, num_kv_heads, max_context, device, *args):
+        seen.append(num_seqs)
+        return 3
+
+    monkeypatch.setattr(sea, "default_num_splits", splits)
+    monkeypatch.setattr(sea, "_short_extend_kernel", _Spy())
+    monkeypatch.setattr(sea, "reduce_splits", lambda *args, **kwargs: launches.append(args))
+    b, q = 4, 5
+    qsl = torch.tensor([0, 5, 10, 15, 20, 20, 20, 20, 20], dtype=torch.int32)
+    sea.paged_short_extend_attention(
+        torch.randn(b * q, 8, 64),
+        torch.randn(8, 16, 2, 64),
+        torch.randn(8, 16, 2, 64),
+        torch.zeros(2 * b, 4, dtype=torch.int32),
+        qsl,
+        torch.tensor([30] * b + [1] * b, dtype=torch.int32),
+        0.125,
+        max_query_len=q,
+    )
+    assert seen == [b] and len(launches) == 1
