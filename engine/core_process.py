@@ -18,13 +18,25 @@ pipe while the server is busy sending it a burst of long prompts (both sides blo
 would deadlock); `step()` takes every step message waiting and merges them. A writer thread
 sends what add_request and abort queue, so neither blocks on a full pipe: AsyncEngine calls
 add_request holding the lock its admission control reads under.
+
+`pagedinfer serve --api-server-count N` (N > 1): one core serves N API-server processes, each on
+a pipe of its own (`start_shared_core`, `attach_remote_engine`). The core (`_SharedCoreLoop`)
+waits on every pipe, remembers which pipe added each request id and sends each step's outputs
+(and a failed step's request ids) to their owner only; stats, step stats, phases, ready and
+failed go to every pipe, and each step message also carries the number of that pipe's requests
+still waiting (`RemoteCore` counts only its own). A pipe that says stop or breaks has its
+requests aborted; the core exits when no pipe is left (or its parent, the launcher, is gone).
+The same per-pipe reader and writer threads keep the same no-deadlock property.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -55,6 +67,7 @@ class CoreInfo:
     block_size: int
     max_num_seqs: int
     stats: dict[str, float]  # core.stats() at startup (until the first step message)
+    core_pid: int = 0  # API servers that did not start the core watch it by pid
 
 
 @dataclass(frozen=True)
@@ -112,8 +125,14 @@ def _core_main(config: EngineConfig, conn) -> None:
     core = built.core
     step_stats: list[StepStats] = []
     core.add_step_listener(step_stats.append)
+    conn.send(("ready", _core_info(built)))
+    _serve(core, conn, step_stats)
+
+
+def _core_info(built) -> CoreInfo:
+    core = built.core
     kv = core.scheduler.kv
-    info = CoreInfo(
+    return CoreInfo(
         built.model_config,
         _TokenizerRecipe.of(built.tokenizer),
         built.max_model_len,
@@ -122,9 +141,8 @@ def _core_main(config: EngineConfig, conn) -> None:
         kv.block_size,
         core.scheduler.config.max_num_seqs,
         core.stats(),
+        os.getpid(),
     )
-    conn.send(("ready", info))
-    _serve(core, conn, step_stats)
 
 
 def _serve(core, conn, step_stats: list[StepStats]) -> None:
@@ -179,11 +197,162 @@ def _admit(core, add: _Add, in_flight: set[str]) -> list[RequestOutput]:
         in_flight.add(add.request_id)
         return []
     except (InvalidRequestError, EngineOverloadedError) as exc:
-        deltas = [
-            CompletionDelta(i, finish_reason=FinishReason.ERROR, error=str(exc)) for i in range(add.params.n)
-        ]
-        usage = Usage(prompt_tokens=len(add.prompt_token_ids), completion_tokens=0)
-        return [RequestOutput(add.request_id, deltas, finished=True, usage=usage)]
+        return [_error_output(add, str(exc))]
+
+
+def _error_output(add: _Add, message: str) -> RequestOutput:
+    deltas = [
+        CompletionDelta(i, finish_reason=FinishReason.ERROR, error=message) for i in range(add.params.n)
+    ]
+    usage = Usage(prompt_tokens=len(add.prompt_token_ids), completion_tokens=0)
+    return RequestOutput(add.request_id, deltas, finished=True, usage=usage)
+
+
+# ---- one core, several API servers ------------------------------------------------------------
+def start_shared_core(config: EngineConfig, conns: list) -> multiprocessing.process.BaseProcess:
+    """Spawn a core that serves one API server per pipe end in `conns` (the launcher's job)."""
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+    process = ctx.Process(
+        target=_shared_core_main, args=(config, conns), name="pagedinfer-engine-core", daemon=True
+    )
+    process.start()
+    return process
+
+
+def _shared_core_main(config: EngineConfig, conns: list) -> None:
+    from pagedinfer.engine.engine_builder import build_engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher stops us
+    loop = _SharedCoreLoop(conns)
+    try:
+        built = build_engine(config, lambda phase: loop.broadcast(("phase", phase)))
+    except Exception as exc:  # reported to every API server, which mark startup failed
+        logger.exception("engine core startup failed")
+        loop.broadcast(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    step_stats: list[StepStats] = []
+    built.core.add_step_listener(step_stats.append)
+    loop.broadcast(("ready", _core_info(built)))
+    loop.serve(built.core, step_stats)
+
+
+class _SharedCoreLoop:
+    """The core's side of N API servers' pipes: `_serve` for one pipe, plus who owns what."""
+
+    def __init__(self, conns: list) -> None:
+        self.live = list(conns)
+        self.owner: dict[str, Any] = {}  # request id -> the pipe that added it
+        self.num_adds = dict.fromkeys(conns, 0)  # adds received per pipe (its RemoteCore's count)
+        self.rejected: dict[Any, list[RequestOutput]] = {}  # duplicate ids, answered with the next step
+        self.in_flight: set[str] = set()
+        self.core = None
+        parent = multiprocessing.parent_process()
+        self._parent_sentinel = parent.sentinel if parent is not None else None
+
+    def broadcast(self, msg: tuple) -> None:
+        for conn in list(self.live):
+            self._send(conn, msg)
+
+    def _send(self, conn, msg: tuple) -> None:
+        try:
+            conn.send(msg)
+        except OSError:  # that API server is gone: its requests end here
+            self._drop(conn)
+
+    def serve(self, core, step_stats: list[StepStats]) -> None:
+        self.core = core
+        outputs: list[RequestOutput] = []
+        while True:
+            outputs += self._receive(bool(outputs))
+            if not self.live:
+                return
+            failure = None
+            if core.has_unfinished():
+                try:
+                    outputs += core.step()
+                except Exception as exc:  # as _serve: end the in-flight requests, go on
+                    logger.exception("engine step failed; aborting in-flight requests")
+                    _discard_finished(outputs, self.in_flight)
+                    failure = (f"{type(exc).__name__}: {exc}", _abort_all(core, self.in_flight))
+            _discard_finished(outputs, self.in_flight)
+            self._send_step(outputs, step_stats[:], failure)
+            outputs, step_stats[:] = [], []
+
+    def _receive(self, has_outputs: bool) -> list[RequestOutput]:
+        """Handle every message waiting; block only while there is no work (as `_serve`)."""
+        outputs: list[RequestOutput] = []
+        waitables = [self._parent_sentinel] if self._parent_sentinel is not None else []
+        while self.live:
+            is_busy = has_outputs or bool(outputs) or self.core.has_unfinished()
+            ready = wait(self.live + waitables, timeout=0 if is_busy else None)
+            if not ready:
+                break
+            if self._parent_sentinel in ready:  # the launcher died: nobody will stop us
+                logger.error("the launcher process is gone; the engine core exits")
+                self.live.clear()
+                break
+            for conn in ready:
+                outputs += self._handle(conn)
+        return outputs
+
+    def _handle(self, conn) -> list[RequestOutput]:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = ("stop",)
+        if msg[0] == "stop":
+            self._drop(conn)
+            return []
+        if msg[0] == "abort":  # only the owner may abort: ids are unique per API server, not overall
+            return self.core.abort(msg[1]) if self.owner.get(msg[1]) is conn else []
+        self.num_adds[conn] += 1
+        add: _Add = msg[1]
+        if add.request_id in self.owner:
+            error = f"request id {add.request_id!r} is already in flight"
+            self.rejected.setdefault(conn, []).append(_error_output(add, error))
+            return []
+        self.owner[add.request_id] = conn
+        return _admit(self.core, add, self.in_flight)
+
+    def _drop(self, conn) -> None:
+        """An API server said stop or went away: abort whatever it still owns."""
+        if conn not in self.live:
+            return
+        self.live.remove(conn)
+        self.rejected.pop(conn, None)
+        conn.close()  # its RemoteCore's reader sees the pipe end
+        owned = [request_id for request_id, owner in self.owner.items() if owner is conn]
+        for request_id in owned:
+            del self.owner[request_id]
+            self.in_flight.discard(request_id)
+            if self.core is not None:
+                self.core.abort(request_id)  # its final output has nobody to go to
+        if owned:
+            logger.warning("an API server left with %d requests in flight: aborted", len(owned))
+
+    def _send_step(self, outputs: list[RequestOutput], step_stats: list[StepStats], failure) -> None:
+        failed: dict[Any, list[str]] = {}
+        if failure is not None:
+            for request_id in failure[1]:
+                failed.setdefault(self.owner.pop(request_id, None), []).append(request_id)
+        routed = {conn: self.rejected.pop(conn, []) for conn in self.live}
+        for out in outputs:
+            conn = self.owner.pop(out.request_id, None) if out.finished else self.owner.get(out.request_id)
+            if conn in routed:
+                routed[conn].append(out)
+        num_waiting = dict.fromkeys(self.live, 0)
+        for seq in self.core.scheduler.waiting:
+            conn = self.owner.get(seq.request_id)
+            if conn in num_waiting:
+                num_waiting[conn] += 1
+        stats = self.core.stats()
+        for conn in list(self.live):
+            self._send(
+                conn, ("step", routed[conn], step_stats, stats, self.num_adds[conn], num_waiting[conn])
+            )
+        for conn, request_ids in failed.items():
+            if conn in self.live:
+                self._send(conn, ("step_failed", failure[0], request_ids))
 
 
 # ---- the server side --------------------------------------------------------------------------
@@ -216,11 +385,18 @@ class RemoteBuilt:
 
 
 class RemoteCore:
-    """Server-side stand-in for EngineCore; the real one runs in the child process."""
+    """Server-side stand-in for EngineCore; the real one runs in the child process.
 
-    def __init__(self, process, conn, info: CoreInfo) -> None:
+    `is_shared`: the core serves other API servers too (and was started by the launcher): its
+    step messages carry this server's waiting count, the stats and step stats of steps that
+    brought this server no outputs are taken on the reader thread (nothing else would read them
+    while this server is idle), and close() does not wait for the core to exit.
+    """
+
+    def __init__(self, process, conn, info: CoreInfo, is_shared: bool = False) -> None:
         self._process = process
         self._conn = conn
+        self._is_shared = is_shared
         self.info = info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
@@ -332,16 +508,20 @@ class RemoteCore:
             self._in_flight.difference_update(aborted)
             raise CoreStepError(message)
         outputs: list[RequestOutput] = []
-        for _, step_outputs, step_stats, stats, _ in messages:
-            outputs += step_outputs
-            self._stats = stats
-            for s in step_stats:
-                for callback in self._listeners:
-                    callback(s)
+        for msg in messages:
+            outputs += msg[1]
+            if not self._is_shared:  # shared: the reader took them
+                self._take_stats(msg)
         for out in outputs:
             if out.finished:
                 self._in_flight.discard(out.request_id)
         return outputs
+
+    def _take_stats(self, msg: tuple) -> None:
+        self._stats = msg[3]
+        for s in msg[2]:
+            for callback in self._listeners:
+                callback(s)
 
     def _take_steps(self) -> list[tuple]:
         """The step messages at the head of the queue, or a step failure alone (in order)."""
@@ -390,15 +570,22 @@ class RemoteCore:
     def _receive(self) -> None:
         """Queue messages until the pipe ends or the process exits with everything it sent read
         (a process it started may hold the pipe open after it)."""
+        sentinel = self._process.sentinel
+        waitables = [self._conn] if sentinel is None else [self._conn, sentinel]
         while True:
-            ready = wait([self._conn, self._process.sentinel])
+            ready = wait(waitables)
             if self._conn not in ready:
                 return
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 return
-            if msg[0] == "step":
+            if msg[0] == "step" and self._is_shared:
+                self._waiting_report = (msg[4], msg[5])  # this server's requests only
+                self._take_stats(msg)
+                if not msg[1]:
+                    continue  # a step of other servers' requests: nothing for step() to deliver
+            elif msg[0] == "step":
                 self._waiting_report = (msg[4], int(msg[3].get("num_waiting", 0)))
             with self._cv:
                 self._received.append(msg)
@@ -415,10 +602,11 @@ class RemoteCore:
         self._closing = True
         self._outbox.put(ForkingPickler.dumps(("stop",)))
         self._outbox.put(None)  # the writer ends after it
-        self._process.join(30)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        if not self._is_shared:  # a shared core exits once every API server has stopped
+            self._process.join(30)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
         self._writer.join(5)  # sent, or the pipe broke when the core went
         self._reader.join(5)  # the core's end closed: the reader has seen EOF
         self._conn.close()
@@ -433,18 +621,64 @@ def build_remote_engine(config: EngineConfig, on_phase: Callable[[str], None]) -
     )
     process.start()
     child_conn.close()
+    info = _await_ready(conn, on_phase, lambda: process.exitcode, lambda: process.join(30))
+    return _remote_built(RemoteCore(process, conn, info), info)
+
+
+def attach_remote_engine(conn, on_phase: Callable[[str], None]) -> RemoteBuilt:
+    """Wait on `conn` for a core that the launcher started for several API servers."""
+    info = _await_ready(conn, on_phase, lambda: "unknown", lambda: None)
+    return _remote_built(RemoteCore(_SharedCoreProcess(info.core_pid), conn, info, is_shared=True), info)
+
+
+def _await_ready(conn, on_phase, exitcode: Callable[[], Any], reap: Callable[[], None]) -> CoreInfo:
     while True:
         try:
             msg = conn.recv()
         except EOFError as exc:
-            raise RuntimeError(f"engine core process exited during startup ({process.exitcode})") from exc
+            raise RuntimeError(f"engine core process exited during startup ({exitcode()})") from exc
         if msg[0] == "phase":
             on_phase(msg[1])
         elif msg[0] == "failed":
-            process.join(30)
+            reap()
             raise RuntimeError(msg[1])
         else:
-            info: CoreInfo = msg[1]
-            core = RemoteCore(process, conn, info)
-            tokenizer = None if info.tokenizer is None else info.tokenizer.build()
-            return RemoteBuilt(core, info.model_config, tokenizer, info.max_model_len)
+            return msg[1]
+
+
+def _remote_built(core: RemoteCore, info: CoreInfo) -> RemoteBuilt:
+    tokenizer = None if info.tokenizer is None else info.tokenizer.build()
+    return RemoteBuilt(core, info.model_config, tokenizer, info.max_model_len)
+
+
+class _SharedCoreProcess:
+    """The core as an API server that did not start it sees it: by pid (a pidfd to wait on).
+    Its exit code is its parent's to read."""
+
+    exitcode = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.sentinel: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd here: the pipe's end alone says it is gone
+            self.sentinel = None
+
+    def is_alive(self) -> bool:
+        if self.sentinel is not None:
+            return not wait([self.sentinel], timeout=0)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.sentinel is not None:
+            wait([self.sentinel], timeout=timeout)
+
+    def kill(self) -> None:
+        """Only when its pipe became useless (a message that does not unpickle): as with a core
+        of our own, stop it rather than leave it; every API server then reports it dead."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)

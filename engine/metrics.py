@@ -6,6 +6,15 @@ counters, finish reasons) are recorded by the servers as streams finish; engine-
 (queue depths, KV-cache usage, preemptions, speculative decoding) are read from
 `engine.stats()` at scrape time by `_EngineStatsCollector`, which is also how the
 Gateway API Inference Extension names (`vllm:*`, with a colon) are exported.
+
+With several API-server processes (`--api-server-count N`, `api_server_index` set) the
+request-level series live in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR,
+made by the launcher) and /metrics merges every process's (`scrape_registry`): counters and
+histograms are summed. The engine series stay scrape-time reads of the answering process's
+mirror of the core's stats (every API server gets every step's stats), so they are never in
+those files and never summed N times; for the same reason the speculative-decoding counters
+then come from that mirror too. `pagedinfer_api_server_requests_total{api_server}` shows how
+requests spread over the processes.
 """
 
 from __future__ import annotations
@@ -83,6 +92,8 @@ METRIC_NAMES: tuple[str, ...] = (
     VLLM_RUNNING,
     VLLM_KV_USAGE,
 )
+# Only with several API-server processes: finished requests per process (label api_server).
+API_SERVER_REQUESTS_TOTAL = PREFIX + "api_server_requests_total"
 VLLM_METRIC_NAMES: tuple[str, ...] = (VLLM_WAITING, VLLM_RUNNING, VLLM_KV_USAGE)  # off with --no-vllm-metrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75)
@@ -137,9 +148,11 @@ class _EngineStatsCollector(Collector):
         is_ready: Callable[[], bool],
         spec: Callable[[], tuple[float, float]],
         vllm_names: bool,
+        spec_totals: Callable[[], tuple[int, int]] | None = None,
     ):
         self._model = model
         self._spec = spec  # () -> (acceptance ratio, mean accepted length)
+        self._spec_totals = spec_totals  # () -> (draft, accepted) tokens: counters from the mirror
         self._stats = stats
         self._is_ready = is_ready
         self._vllm_names = vllm_names
@@ -160,6 +173,13 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
             family.add_metric(labels, _stat(stats, keys))
             yield family
+        if self._spec_totals is not None:
+            docs = ("Draft tokens proposed.", "Draft tokens accepted.")
+            names = (SPEC_DRAFT_TOKENS_TOTAL, SPEC_ACCEPTED_TOKENS_TOTAL)
+            for name, doc, value in zip(names, docs, self._spec_totals(), strict=True):
+                family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
+                family.add_metric(labels, value)
+                yield family
         acceptance, mean_length = self._spec()
         accept = GaugeMetricFamily(
             SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1).", labels=["model"]
@@ -200,9 +220,13 @@ class ServingMetrics:
     once per request (with the final output, or None when the client went away).
     """
 
-    def __init__(self, model: str, *, enable_vllm_metrics: bool = True) -> None:
+    def __init__(
+        self, model: str, *, enable_vllm_metrics: bool = True, api_server_index: int | None = None
+    ) -> None:
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
+        self.scrape_registry = self.registry  # what /metrics exposes
+        self.is_multiprocess = api_server_index is not None
         self._enable_vllm_metrics = enable_vllm_metrics
         r, labels = self.registry, ["model"]
         self.ttft = Histogram(
@@ -238,12 +262,16 @@ class ServingMetrics:
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
         self._num_verified_seqs = 0
-        self.spec_draft = Counter(
-            _counter_family(SPEC_DRAFT_TOKENS_TOTAL), "Draft tokens proposed.", labels, registry=r
-        )
-        self.spec_accepted = Counter(
-            _counter_family(SPEC_ACCEPTED_TOKENS_TOTAL), "Draft tokens accepted.", labels, registry=r
-        )
+        self._api_server_requests = None
+        if self.is_multiprocess:
+            self._init_multiprocess(str(api_server_index))
+        else:  # several processes each count every step: the mirror's totals are exported instead
+            self.spec_draft = Counter(
+                _counter_family(SPEC_DRAFT_TOKENS_TOTAL), "Draft tokens proposed.", labels, registry=r
+            )
+            self.spec_accepted = Counter(
+                _counter_family(SPEC_ACCEPTED_TOKENS_TOTAL), "Draft tokens accepted.", labels, registry=r
+            )
         # The per-model series, looked up once: `labels()` costs a lock and a dict lookup per
         # call, ~11 calls per request and one per streamed output otherwise. Created here, they
         # also exist (at zero) from the first scrape, not only after the first request.
@@ -251,25 +279,44 @@ class ServingMetrics:
             metric.labels(model)
             for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_hist, self.gen_hist)
         )
-        self._prompt_total, self._gen_total, self._spec_draft, self._spec_accepted = (
-            counter.labels(model)
-            for counter in (self.prompt_total, self.gen_total, self.spec_draft, self.spec_accepted)
+        self._prompt_total, self._gen_total = (
+            counter.labels(model) for counter in (self.prompt_total, self.gen_total)
         )
+        self._spec_draft = self._spec_accepted = None
+        if not self.is_multiprocess:
+            self._spec_draft, self._spec_accepted = (
+                counter.labels(model) for counter in (self.spec_draft, self.spec_accepted)
+            )
         self._requests_by_reason: dict[str, Any] = {}
+
+    def _init_multiprocess(self, api_server: str) -> None:
+        from prometheus_client import multiprocess
+
+        self.scrape_registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(self.scrape_registry)  # every process's files, merged
+        requests = Counter(
+            _counter_family(API_SERVER_REQUESTS_TOTAL),
+            "Finished requests per API-server process.",
+            ["model", "api_server"],
+            registry=self.registry,
+        )
+        self._api_server_requests = requests.labels(self.model, api_server)
 
     def attach_engine(self, stats: StatsSource, is_ready: Callable[[], bool]) -> None:
         """Export the engine's scrape-time series; call once, before serving /metrics."""
+        spec_totals = self._spec_totals if self.is_multiprocess else None
         collector = _EngineStatsCollector(
-            self.model, stats, is_ready, self._spec_gauges, self._enable_vllm_metrics
+            self.model, stats, is_ready, self._spec_gauges, self._enable_vllm_metrics, spec_totals
         )
-        self.registry.register(collector)
+        self.scrape_registry.register(collector)
 
     def on_step(self, step: StepStats) -> None:
         """Engine step listener (runs on the engine thread; prometheus_client is thread-safe)."""
         if not step.num_draft_tokens:
             return
-        self._spec_draft.inc(step.num_draft_tokens)
-        self._spec_accepted.inc(step.num_accepted_tokens)
+        if self._spec_draft is not None:
+            self._spec_draft.inc(step.num_draft_tokens)
+            self._spec_accepted.inc(step.num_accepted_tokens)
         with self._spec_lock:
             self._num_draft_tokens += step.num_draft_tokens
             self._num_accepted_tokens += step.num_accepted_tokens
@@ -289,6 +336,10 @@ class ServingMetrics:
     def _spec_gauges(self) -> tuple[float, float]:
         return self.acceptance_ratio(), self.mean_accepted_length()
 
+    def _spec_totals(self) -> tuple[int, int]:
+        with self._spec_lock:
+            return self._num_draft_tokens, self._num_accepted_tokens
+
     def observe_step_gap(self, seconds: float, num_new_tokens: int) -> None:
         if num_new_tokens > 0:
             self._itl.observe(seconds / num_new_tokens)
@@ -300,6 +351,8 @@ class ServingMetrics:
                 self.model, finish_reason
             )
         requests.inc()
+        if self._api_server_requests is not None:
+            self._api_server_requests.inc()
         if final is None:
             return
         usage, timing = final.usage, final.timing

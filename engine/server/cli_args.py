@@ -73,6 +73,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "(default: on when serving on a GPU, off on the CPU)",
     )
     srv.add_argument(
+        "--api-server-count",
+        type=int,
+        default=ServerConfig.api_server_count,
+        help="HTTP API-server processes in front of one engine core, all on --http-port "
+        "(> 1 runs the engine in its own process; gRPC is served by the first)",
+    )
+    srv.add_argument(
         "--loop",
         choices=["auto", "asyncio", "uvloop"],
         default="auto",
@@ -142,6 +149,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_bytes=args.max_request_bytes,
         drain_timeout_seconds=args.drain_timeout,
         enable_vllm_metrics=args.enable_vllm_metrics,
+        api_server_count=args.api_server_count,
     )
 
 
@@ -168,10 +176,29 @@ def wants_engine_process(args: argparse.Namespace) -> bool:
     return args.device.startswith("cuda") or torch.cuda.is_available()
 
 
+def check_api_server_count(args: argparse.Namespace) -> None:
+    """--api-server-count N > 1 puts N processes in front of one core in a process of its own."""
+    if args.api_server_count < 1:
+        raise SystemExit("--api-server-count must be >= 1")
+    if args.api_server_count > 1 and args.engine_process is False:
+        raise SystemExit(
+            "--api-server-count > 1 needs the engine core in its own process: drop --no-engine-process"
+        )
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
     from pagedinfer.engine.server.engine_handle import default_loader, engine_process_loader
     from pagedinfer.engine.server.serve import run_server  # heavy imports only when serving
 
+    check_api_server_count(args)
     apply_process_settings(args)
+    if args.api_server_count > 1:
+        from pagedinfer.engine.server.api_servers import run_api_servers
+
+        switch_s = None if args.gil_switch_interval_ms is None else args.gil_switch_interval_ms / 1000
+        config = engine_config_from_args(args)
+        return run_api_servers(
+            config, server_config_from_args(args), loop=args.loop, switch_interval_s=switch_s
+        )
     loader = engine_process_loader if wants_engine_process(args) else default_loader
     return run_server(engine_config_from_args(args), server_config_from_args(args), loader, loop=args.loop)

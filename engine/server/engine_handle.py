@@ -74,6 +74,19 @@ def engine_process_loader(config: EngineConfig) -> Any:
     return AsyncEngine.from_config(config, build_remote_engine)
 
 
+def shared_core_loader(conn) -> EngineLoader:
+    """One of several API servers (`--api-server-count`): the engine core that the launcher
+    started, reached through this server's pipe end `conn`."""
+
+    def load(config: EngineConfig) -> Any:
+        from pagedinfer.engine.async_engine import AsyncEngine
+        from pagedinfer.engine.core_process import attach_remote_engine
+
+        return AsyncEngine.from_config(config, lambda _config, on_phase: attach_remote_engine(conn, on_phase))
+
+    return load
+
+
 class EngineHandle:
     """Owns one AsyncEngine for the servers of a process."""
 

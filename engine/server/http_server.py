@@ -159,7 +159,7 @@ def _add_probe_routes(app: FastAPI, service: GenerationService) -> None:
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.scrape_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/engine_stats", include_in_schema=False)
     async def engine_stats() -> dict[str, Any]:

@@ -4,6 +4,8 @@ Order of events: HTTP and gRPC bind first (probes answer, /startup shows the loa
 gRPC health says NOT_SERVING), the engine loads in the background, then everything turns
 ready. SIGTERM/SIGINT: readiness goes false, new requests get 503 / UNAVAILABLE, in-flight
 requests finish (bounded by --drain-timeout), the servers stop, the process exits 0.
+With --api-server-count N > 1, N of these run as API-server processes under a launcher
+(api_servers.py): on a socket the launcher bound, with multiprocess metrics, gRPC in server 0.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -54,16 +57,26 @@ class ServerProcess:
     engine_config: EngineConfig
     server_config: ServerConfig
     loader: EngineLoader = default_loader
+    # One of several API servers (--api-server-count): HTTP on the launcher's socket,
+    # multiprocess metrics, gRPC in server 0 only, SIGINT left to the launcher.
+    api_server_index: int | None = None
+    sockets: list[socket.socket] | None = None
 
     def __post_init__(self) -> None:
         name = self.engine_config.resolved_served_model_name
         self.handle = EngineHandle(self.engine_config, self.loader)
-        self.metrics = ServingMetrics(name, enable_vllm_metrics=self.server_config.enable_vllm_metrics)
+        self.metrics = ServingMetrics(
+            name,
+            enable_vllm_metrics=self.server_config.enable_vllm_metrics,
+            api_server_index=self.api_server_index,
+        )
         self.metrics.attach_engine(self.handle.stats, lambda: self.handle.is_ready)
         self.service = GenerationService(self.handle, self.metrics)
         auth = ApiKeyAuth(self.server_config.api_key)
         self.app = build_app(self.service, self.server_config, auth)
-        self.grpc = GrpcServer(self.service, self.server_config, auth)
+        self.grpc = (
+            GrpcServer(self.service, self.server_config, auth) if self.api_server_index in (None, 0) else None
+        )
         self.stop_requested = asyncio.Event()
 
     def _uvicorn(self) -> _Uvicorn:
@@ -81,27 +94,38 @@ class ServerProcess:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGTERM, signal.SIGINT) if self.api_server_index is None else (signal.SIGTERM,)
+        for sig in signals:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         http = self._uvicorn()
-        http_task = loop.create_task(http.serve(), name="http")
+        http_task = loop.create_task(http.serve(sockets=self.sockets), name="http")
         while not http.started and not http_task.done():
             await asyncio.sleep(0.02)
         if http_task.done():
             http_task.result()  # bind failure: raise it
             return 1
-        await self.grpc.start()
-        self.handle.on_ready(lambda: self.grpc.set_serving(True))
+        if self.grpc is not None:
+            await self.grpc.start()
+            self.handle.on_ready(lambda: self.grpc.set_serving(True))
         self.handle.on_ready(lambda: self.handle.engine.add_step_listener(self.metrics.on_step))
-        logger.info(describe_urls(self.server_config, self.server_config.http_port, self.grpc.port))
-        logger.info("event loop: %s.%s", type(loop).__module__, type(loop).__name__)
+        self._log_serving(loop)
         self.handle.start_loading()
         progress = loop.create_task(self._log_progress())
         await self.stop_requested.wait()
         progress.cancel()
         await self.shutdown(http, http_task)
         return 0
+
+    def _log_serving(self, loop: asyncio.AbstractEventLoop) -> None:
+        http_port = self.server_config.http_port if not self.sockets else self.sockets[0].getsockname()[1]
+        if self.grpc is not None:
+            logger.info(describe_urls(self.server_config, http_port, self.grpc.port))
+        if self.api_server_index is not None:
+            logger.info(
+                "API server %d (pid %d) accepts on port %d", self.api_server_index, os.getpid(), http_port
+            )
+        logger.info("event loop: %s.%s", type(loop).__module__, type(loop).__name__)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop_requested.is_set():  # a second signal: stop waiting for the drain
@@ -111,10 +135,12 @@ class ServerProcess:
 
     async def shutdown(self, http: _Uvicorn, http_task: asyncio.Task) -> None:
         logger.info("shutting down: draining %d in-flight requests", self.handle.num_in_flight)
-        await self.grpc.set_serving(False)
+        if self.grpc is not None:
+            await self.grpc.set_serving(False)
         drained = await self.handle.drain_and_shutdown(self.server_config.drain_timeout_seconds)
         await self.service.wait_background()
-        await self.grpc.stop(grace_seconds=1.0)
+        if self.grpc is not None:
+            await self.grpc.stop(grace_seconds=1.0)
         http.should_exit = True
         await http_task
         logger.info("shut down (%s)", "drained" if drained else "drain timed out")
