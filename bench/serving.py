@@ -6,6 +6,7 @@ tokens/s, and the serving overhead ratio: server tokens/s / offline tokens/s (ta
     .venv/bin/python bench/serving.py                      # CPU, SmolLM2, N = 1,2,4,8
     python3 bench/serving.py --model hf://... --device cuda --concurrency 1,8,32,128 --max-tokens 128
     python3 bench/serving.py --device cuda --random-model llama-8b --concurrency 1,16,64  # bench/run_gpu.sh
+    .venv/bin/python bench/serving.py --variant as2=--api-server-count=2   # + 2 API-server processes
 
 Each client runs a closed loop of --requests-per-client requests (prompt of --prompt-len token
 ids, greedy, ignore_eos, exactly --max-tokens output tokens). The server and the offline engine
@@ -21,6 +22,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +55,7 @@ class LevelResult:
     ratio_vs_offline: float | None = None
     # CPU cores busy during the level (CPU seconds / wall seconds): the server's main process
     # (HTTP/gRPC/asyncio), its children (the engine core process), and all client processes.
+    # With --api-server-count N > 1: the launcher plus the N API servers, the core, the clients.
     server_cpu_cores: float | None = None
     engine_core_cpu_cores: float | None = None
     client_cpu_cores: float | None = None
@@ -283,6 +286,11 @@ class Server:
             time.sleep(0.3)
         raise TimeoutError("server not ready")
 
+    def core_pid(self) -> int | None:
+        """The engine core's pid when a launcher runs several API servers (its log says)."""
+        match = re.search(r"launcher \(pid \d+\): engine core pid (\d+)", Path(self.log.name).read_text())
+        return int(match.group(1)) if match else None
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -340,10 +348,11 @@ async def sweep(servers: dict[str, Server], args, vocab: int) -> list[LevelResul
                         one = lambda k, ps=ps: offline_request(engine, params, ps[k])  # noqa: E731
                         level = await run_level(n, args.requests_per_client, one)
                     else:
-                        pid = servers[mode.partition("/")[2]].proc.pid
-                        before = server_cpu(pid)
+                        server = servers[mode.partition("/")[2]]
+                        pid, core_pid = server.proc.pid, server.core_pid()
+                        before = server_cpu(pid, core_pid)
                         level = await pool.run_level(mode, n, args.requests_per_client, ps)
-                        after = server_cpu(pid)
+                        after = server_cpu(pid, core_pid)
                         cpu[mode][0] += after[0] - before[0]
                         cpu[mode][1] += after[1] - before[1]
                         cpu[mode][2] += pool.last_cpu_s
@@ -390,9 +399,14 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def server_cpu(pid: int) -> tuple[float, float]:
-    """CPU seconds so far of a server process and of its direct children (the engine core)."""
-    return _cpu_seconds(pid), sum(_cpu_seconds(k) for k in _children(pid))
+def server_cpu(pid: int, core_pid: int | None = None) -> tuple[float, float]:
+    """CPU seconds so far of the API server side and of the engine core. One server process: it
+    and its direct children (the engine core). A launcher (--api-server-count N > 1, whose log
+    names `core_pid`): the launcher and its children but the core, and the core."""
+    kids = sum(_cpu_seconds(k) for k in _children(pid) if k != core_pid)
+    if core_pid is None:
+        return _cpu_seconds(pid), kids
+    return _cpu_seconds(pid) + kids, _cpu_seconds(core_pid)
 
 
 def summarize_rounds(mode: str, n: int, rounds: list[tuple[list[RequestResult], float]]) -> LevelResult:
@@ -474,8 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="LABEL=FLAGS",
-        help="also serve with these extra flags (e.g. 'ep=--engine-process'); its modes are grpc/LABEL, "
-        "http/LABEL, interleaved with the rest (repeatable)",
+        help="also serve with these extra flags (e.g. 'ep=--engine-process', "
+        "'as4=--api-server-count 4'); its modes are grpc/LABEL, http/LABEL, interleaved with the rest "
+        "(repeatable)",
     )
     p.add_argument(
         "--client-procs",

@@ -1,0 +1,240 @@
+"""`pagedinfer serve --api-server-count 2` on loopback (tiny random model): requests spread over
+both API-server processes with the same greedy text as one server, /metrics summed over the
+processes but engine gauges not doubled, KV blocks freed, SIGTERM drains every process, and no
+process outlives the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
+from pagedinfer.engine.server.proto_gen import inference_pb2_grpc as pb_grpc
+
+SERVER_MODEL = "tiny"
+SERVER_ARGS = ("--api-server-count", "2")
+NUM_STREAMS = 24
+STREAM_TOKENS = 2000  # the drained streams: long enough (seconds) to be in flight at SIGTERM
+pytestmark = pytest.mark.timeout(300)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc: no psutil here)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None and stat[1] == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _spawned(pids: list[int]) -> list[int]:
+    """Those started by multiprocessing's spawn (not its resource tracker)."""
+    return [pid for pid in pids if b"spawn_main" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
+def _is_running(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"  # a zombie has exited (its reaper may be slow)
+
+
+def _wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_is_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if _is_running(pid)]
+        time.sleep(0.1)
+
+
+async def _stream_all(base_url: str, model: str, num_streams: int) -> list[str]:
+    """`num_streams` simultaneous streaming chat requests, each on a client (connection) of its own."""
+
+    async def one(i: int) -> str:
+        async with openai.AsyncOpenAI(
+            base_url=base_url, api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            stream = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": f"request {i}: say something"}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    return await asyncio.gather(*(one(i) for i in range(num_streams)))
+
+
+def _metrics(proc) -> dict[str, list]:
+    text = httpx.get(f"{proc.http}/metrics", timeout=10).text
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def _value(samples: list, name: str, **labels: str) -> float:
+    return sum(
+        s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_streams_spread_over_both_processes_same_text_summed_metrics(
+    server, server_proc_cls, tiny_model
+) -> None:
+    model = httpx.get(f"{server.http}/v1/models", timeout=10).json()["data"][0]["id"]
+    texts = asyncio.run(_stream_all(f"{server.http}/v1", model, NUM_STREAMS))
+    assert all(texts) and len(set(texts)) > 1, texts
+    single = server_proc_cls(model=tiny_model).start()
+    try:
+        single.wait_ready()
+        expected = asyncio.run(_stream_all(f"{single.http}/v1", model, NUM_STREAMS))
+    finally:
+        assert single.stop() == 0, single.log()[-3000:]
+    assert texts == expected
+
+    stats = server.wait_idle()  # every KV block free again (the core's stats, as either process mirrors them)
+    metrics = _metrics(server)
+    per_server = [
+        _value(
+            metrics["pagedinfer_api_server_requests"],
+            "pagedinfer_api_server_requests_total",
+            api_server=str(i),
+        )
+        for i in (0, 1)
+    ]
+    assert sum(per_server) == NUM_STREAMS and min(per_server) > 0, per_server  # both processes served
+    requests = _value(metrics["pagedinfer_requests"], "pagedinfer_requests_total", finish_reason="length")
+    assert requests == NUM_STREAMS  # summed over the processes
+    assert (
+        _value(
+            metrics["pagedinfer_e2e_request_latency_seconds"], "pagedinfer_e2e_request_latency_seconds_count"
+        )
+        == NUM_STREAMS
+    )
+    assert (
+        _value(metrics["pagedinfer_generation_tokens"], "pagedinfer_generation_tokens_total")
+        == NUM_STREAMS * 8
+    )
+    # Engine gauges: one engine's numbers, not one per process.
+    total_blocks = stats["engine"]["kv_total_blocks"]
+    assert (
+        _value(metrics["pagedinfer_kv_cache_total_blocks"], "pagedinfer_kv_cache_total_blocks")
+        == total_blocks
+    )
+    assert (
+        _value(metrics["pagedinfer_kv_cache_free_blocks"], "pagedinfer_kv_cache_free_blocks") == total_blocks
+    )
+    assert _value(metrics["pagedinfer_server_ready"], "pagedinfer_server_ready") == 1.0
+    assert len(metrics["pagedinfer_kv_cache_total_blocks"]) == 1
+
+
+def test_grpc_is_served_by_the_first_api_server(server) -> None:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4, temperature=0))
+        responses = list(pb_grpc.InferenceServiceStub(channel).Generate(request, timeout=60))
+    assert responses[-1].finished and responses[-1].usage.completion_tokens == 4
+    assert "grpc=127.0.0.1:" in server.log() and "API server 1 (pid" in server.log()
+
+
+def test_sigterm_drains_in_flight_streams_on_every_process_and_exits_0(server_proc_cls, tiny_model) -> None:
+    proc = server_proc_cls(extra_args=(*SERVER_ARGS, "--max-model-len", "2048"), model=tiny_model).start()
+    try:
+        proc.wait_ready()
+        pids = _children(proc.proc.pid)
+        assert len(_spawned(pids)) == 3, pids  # the core and two API servers
+        results: list[list[dict]] = [[] for _ in range(12)]  # P(all on one process) = 2^-11
+        started = [threading.Event() for _ in results]
+        threads = [
+            threading.Thread(target=_long_stream, args=(proc, results[i], started[i]))
+            for i in range(len(results))
+        ]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(120) for event in started)
+        proc.proc.send_signal(signal.SIGTERM)
+        try:
+            _expect_refusing(proc)
+        except httpx.ConnectError as exc:
+            raise AssertionError(f"{exc}: {[len(c) for c in results]}\n{proc.log()[-3000:]}") from exc
+        for thread in threads:
+            thread.join(120)
+        assert proc.proc.wait(60) == 0, proc.log()[-4000:]
+    finally:
+        proc.stop()
+    for chunks in results:  # every in-flight stream ran to its end
+        assert [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")] == [STREAM_TOKENS], chunks[
+            -2:
+        ]
+    _wait_gone(pids)
+    drained = [int(n) for n in re.findall(r"\[[01]\]: shutting down: draining (\d+) in-flight", proc.log())]
+    assert len(drained) == 2 and min(drained) > 0, drained  # both processes had streams to drain
+    assert "API servers exited with [0, 0]" in proc.log()
+    assert "[0]: shut down (drained)" in proc.log() and "[1]: shut down (drained)" in proc.log()
+
+
+def _long_stream(proc, chunks: list[dict], started: threading.Event) -> None:
+    body = {"prompt": "Tell me a story.", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    try:
+        with httpx.stream("POST", f"{proc.http}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):  # parsed only where needed: the test's GIL is shared
+                    started.set()
+                    if '"usage"' in line:
+                        chunks.append(json.loads(line[6:]))
+            if r.status_code != 200:
+                chunks.append({"status": r.status_code, "body": r.read().decode()})
+    finally:
+        started.set()  # (a refused stream fails the usage check below)
+
+
+def _expect_refusing(proc) -> None:
+    """After SIGTERM every process refuses: new connections land on both (one client each)."""
+    deadline = time.monotonic() + 10
+    refused = 0
+    while refused < 4:
+        r = httpx.post(f"{proc.http}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        if r.status_code == 503:
+            assert "shutting down" in r.json()["error"]["message"]
+            refused += 1
+        else:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.05)
+    assert httpx.get(f"{proc.http}/ready", timeout=5).status_code == 503
+
+
+def test_api_servers_and_core_exit_when_the_launcher_is_killed(server_proc_cls, tiny_model) -> None:
+    proc = server_proc_cls(extra_args=SERVER_ARGS, model=tiny_model).start()
+    try:
+        proc.wait_ready()
+        pids = _children(proc.proc.pid)
+        assert len(_spawned(pids)) == 3, pids
+        os.kill(proc.proc.pid, signal.SIGKILL)
+        proc.proc.wait(10)
+        _wait_gone(pids)
+    finally:
+        proc.stop()
