@@ -238,3 +238,21 @@ def test_api_servers_and_core_exit_when_the_launcher_is_killed(server_proc_cls, 
         _wait_gone(pids)
     finally:
         proc.stop()
+
+
+def test_a_dead_engine_core_fails_the_probes_of_every_api_server(server_proc_cls, tiny_model) -> None:
+    proc = server_proc_cls(extra_args=SERVER_ARGS, model=tiny_model).start()
+    try:
+        proc.wait_ready()
+        core_pid = int(re.search(r"engine core pid (\d+)", proc.log()).group(1))
+        os.kill(core_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        dead = 0
+        while dead < 8:  # eight fresh connections in a row: both processes know (P(one unasked) = 2^-7)
+            assert time.monotonic() < deadline, proc.log()[-3000:]
+            health = httpx.get(f"{proc.http}/health", timeout=5)
+            dead = dead + 1 if health.status_code == 503 and "engine died" in health.json()["error"] else 0
+        r = httpx.post(f"{proc.http}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503, r.text
+    finally:
+        assert proc.stop() == 0, proc.log()[-3000:]
