@@ -251,15 +251,15 @@ def extend_flops(batch: int, new: int, seq_len: int, heads: Heads = LLAMA) -> fl
     return 4.0 * batch * heads.num_heads * heads.head_dim * pairs
 
 
-def ours_extend(x: dict, config: ExtendConfig | None = None):
-    args = (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["query_start_loc"],
-        x["seq_lens"],
+def extend_args(x: dict) -> tuple:
+    """The tensors of an extend call (query, caches, tables, query_start_loc, seq_lens), in order."""
+    return tuple(
+        x[k] for k in ("query", "key_cache", "value_cache", "block_tables", "query_start_loc", "seq_lens")
     )
+
+
+def ours_extend(x: dict, config: ExtendConfig | None = None):
+    args = extend_args(x)
     if config is None:
         return lambda: ops.paged_extend_attention(*args, x["scale"], max_query_len=x["new"])
     return lambda: triton_extend(*args, x["scale"], max_query_len=x["new"], config=config)

@@ -51,14 +51,7 @@ def verify_inputs(heads, batch: int, q: int, context: int, width: int) -> dict:
 
 
 def _variants(x: dict) -> dict:
-    args = (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["query_start_loc"],
-        x["seq_lens"],
-    )
+    args = cases.extend_args(x)
     tiled = ea.default_config(
         x["heads"].head_dim, x["block_tables"].shape[1] * cases.BLOCK_SIZE, x["query"].device
     )
