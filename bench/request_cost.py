@@ -162,7 +162,8 @@ def _remote_builder(step_s: float, log_path: str | None):
     def build(config, on_phase):
         import multiprocessing
 
-        from pagedinfer.engine.core_process import CoreInfo, RemoteBuilt, RemoteCore
+        from pagedinfer.engine.core_process import CoreInfo
+        from pagedinfer.engine.remote_core import RemoteBuilt, RemoteCore
 
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=True)

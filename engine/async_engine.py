@@ -114,7 +114,7 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, builder: Callable | None = None) -> AsyncEngine:
         """Start loading on the engine thread and return at once; `startup_phase` tracks progress.
         `builder` defaults to engine_builder.build_engine (in this process);
-        core_process.build_remote_engine runs the core in a process of its own."""
+        remote_core.build_remote_engine runs the core in a process of its own."""
         engine = cls(config, builder)
         engine._thread.start()
         return engine

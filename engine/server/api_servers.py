@@ -13,7 +13,7 @@ the process `serve` started in becomes a launcher that serves nothing itself:
   other processes of the same user join the port: a container runs nothing else.);
 - it makes the Prometheus multiprocess folder (PROMETHEUS_MULTIPROC_DIR, inherited by the API
   servers, which import prometheus_client after it is set) and removes it at exit;
-- it spawns the engine core with one pipe per API server (core_process.start_shared_core),
+- it spawns the engine core with one pipe per API server (shared_core.start_shared_core),
   then the N API servers (spawn context: fresh interpreters, no inherited threads or CUDA),
   each a whole `ServerProcess` (FastAPI app, metrics, AsyncEngine over a RemoteCore on its pipe).
 
@@ -104,7 +104,7 @@ def run_api_servers(
     switch_interval_s: float | None = None,
 ) -> int:
     """The launcher: start the core and the API servers, forward signals, reap; the exit code."""
-    from pagedinfer.engine.core_process import start_shared_core
+    from pagedinfer.engine.shared_core import start_shared_core
 
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
     count = server_config.api_server_count

@@ -69,7 +69,7 @@ def default_loader(config: EngineConfig) -> Any:
 def engine_process_loader(config: EngineConfig) -> Any:
     """The engine core (model, scheduler, detokenizer) in a process of its own."""
     from pagedinfer.engine.async_engine import AsyncEngine
-    from pagedinfer.engine.core_process import build_remote_engine
+    from pagedinfer.engine.remote_core import build_remote_engine
 
     return AsyncEngine.from_config(config, build_remote_engine)
 
@@ -80,7 +80,7 @@ def shared_core_loader(conn) -> EngineLoader:
 
     def load(config: EngineConfig) -> Any:
         from pagedinfer.engine.async_engine import AsyncEngine
-        from pagedinfer.engine.core_process import attach_remote_engine
+        from pagedinfer.engine.remote_core import attach_remote_engine
 
         return AsyncEngine.from_config(config, lambda _config, on_phase: attach_remote_engine(conn, on_phase))
 

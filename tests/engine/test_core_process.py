@@ -1,4 +1,4 @@
-"""The engine core in its own process (core_process.py) behind the same AsyncEngine (CPU)."""
+"""The engine core in its own process (core_process.py, remote_core.py) behind the same AsyncEngine (CPU)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,11 @@ import pytest
 
 from pagedinfer.engine.async_engine import AsyncEngine
 from pagedinfer.engine.config import ServerConfig
-from pagedinfer.engine.core_process import (
-    CoreInfo,
-    CoreStepError,
-    RemoteBuilt,
-    RemoteCore,
-    _Add,
-    _serve,
-    build_remote_engine,
-)
+from pagedinfer.engine.core_process import CoreInfo, _Add, _serve
 from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedinfer.engine.metrics import ServingMetrics
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput
+from pagedinfer.engine.remote_core import CoreStepError, RemoteBuilt, RemoteCore, build_remote_engine
 from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.engine_handle import EngineHandle, NotServingError, ServerState

@@ -13,9 +13,10 @@ import pytest
 
 from pagedinfer.engine.async_engine import AsyncEngine
 from pagedinfer.engine.config import ServerConfig
-from pagedinfer.engine.core_process import CoreInfo, RemoteBuilt, RemoteCore
+from pagedinfer.engine.core_process import CoreInfo
 from pagedinfer.engine.metrics import ServingMetrics
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from pagedinfer.engine.remote_core import RemoteBuilt, RemoteCore
 from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.generation import GenerationService, PromptInput

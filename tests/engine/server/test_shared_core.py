@@ -1,4 +1,4 @@
-"""One engine core behind several API servers (core_process._SharedCoreLoop and RemoteCore's
+"""One engine core behind several API servers (shared_core._SharedCoreLoop and RemoteCore's
 shared mode), in process: the core loop on a thread, a fake core, one pipe per API server."""
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from pagedinfer.engine.config import EngineConfig, SchedulerConfig
-from pagedinfer.engine.core_process import CoreInfo, CoreStepError, RemoteCore, _Add, _SharedCoreLoop
+from pagedinfer.engine.core_process import CoreInfo, _Add
 from pagedinfer.engine.outputs import FinishReason
+from pagedinfer.engine.remote_core import CoreStepError, RemoteCore
 from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.server.api_servers import api_server_engine_config
+from pagedinfer.engine.shared_core import _SharedCoreLoop
 from tests.engine.test_core_process import _FakeCore
 
 pytestmark = pytest.mark.timeout(60)
