@@ -76,13 +76,13 @@ class DecodeConfig:
 
 
 @triton.jit
-def _tile_block_ids(table_row, pos, stop, BLOCK_SIZE: tl.constexpr):
+def tile_block_ids(table_row, pos, stop, BLOCK_SIZE: tl.constexpr):
     """int64 cache block of each token position in pos [BLOCK_N] (0 from stop on)."""
     return tl.load(table_row + pos // BLOCK_SIZE, mask=pos < stop, other=0).to(tl.int64)
 
 
 @triton.jit
-def _load_tile(base, ids, pos, n_mask, d, d_mask, stride_b, stride_s, BLOCK_SIZE: tl.constexpr):
+def load_kv_tile(base, ids, pos, n_mask, d, d_mask, stride_b, stride_s, BLOCK_SIZE: tl.constexpr):
     """A K or V tile [BLOCK_N, D_PAD] of the token positions pos (zero rows where not n_mask)."""
     ptrs = base + ids[:, None] * stride_b + (pos % BLOCK_SIZE)[:, None] * stride_s + d[None, :]
     return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
@@ -180,16 +180,16 @@ def _decode_kernel(
     loop_start = start
     if PDL_PROLOGUE:  # the first tile, peeled: its loads (but the newest token's) precede gdc_wait
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        ids = _tile_block_ids(table_row, pos, stop, BLOCK_SIZE)  # block tables: host copies, older
+        ids = tile_block_ids(table_row, pos, stop, BLOCK_SIZE)  # block tables: host copies, older
         old = pos < tl.minimum(end, context_len - 1)
-        k = _load_tile(k_base, ids, pos, old, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
-        v = _load_tile(v_base, ids, pos, old, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        k = load_kv_tile(k_base, ids, pos, old, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        v = load_kv_tile(v_base, ids, pos, old, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
         if GDC_WAIT:
             gdc_wait()  # the kernel before is complete, its writes visible; every store comes after
         # what it may have written: the query and the newest token's K/V (rows zero in k, v so far)
         new = (pos == context_len - 1) & (pos < end)
-        k += _load_tile(k_base, ids, pos, new, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
-        v += _load_tile(v_base, ids, pos, new, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        k += load_kv_tile(k_base, ids, pos, new, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        v += load_kv_tile(v_base, ids, pos, new, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         p, alpha, m_i, l_i = _softmax_step(q, k, pos < end, m_i, l_i, qk_scale, True)  # may be empty
         acc = tl.dot(p.to(v.dtype), v).to(tl.float32)
@@ -198,10 +198,10 @@ def _decode_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         if Q_IN_LOOP and not PDL_PROLOGUE:  # in the loop (not hoisted): pipelined with K/V
             q = tl.load(q_ptrs, mask=q_mask & (g * 0 + n0 < stop)[:, None], other=0.0)
-        ids = _tile_block_ids(table_row, pos, stop, BLOCK_SIZE)
-        k = _load_tile(k_base, ids, pos, pos < end, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        ids = tile_block_ids(table_row, pos, stop, BLOCK_SIZE)
+        k = load_kv_tile(k_base, ids, pos, pos < end, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
         p, alpha, m_i, l_i = _softmax_step(q, k, pos < end, m_i, l_i, qk_scale, CAPACITY_SPLITS)
-        v = _load_tile(v_base, ids, pos, pos < end, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        v = load_kv_tile(v_base, ids, pos, pos < end, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
 
     has_keys = l_i > 0.0

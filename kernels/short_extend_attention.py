@@ -25,9 +25,9 @@ import triton.language as tl
 from pagedinfer.kernels.decode_attention import (
     LOG2E,
     MAX_SPLITS,
-    _load_tile,
-    _tile_block_ids,
     default_num_splits,
+    load_kv_tile,
+    tile_block_ids,
 )
 from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported, reduce_splits
 
@@ -124,8 +124,8 @@ def _short_extend_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         n_mask = pos < end
-        ids = _tile_block_ids(table_row, pos, end, BLOCK_SIZE)
-        k = _load_tile(k_base, ids, pos, n_mask, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
+        ids = tile_block_ids(table_row, pos, end, BLOCK_SIZE)
+        k = load_kv_tile(k_base, ids, pos, n_mask, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [ROWS, BLOCK_N]
         s = tl.where(n_mask[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -133,7 +133,7 @@ def _short_extend_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, ids, pos, n_mask, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
+        v = load_kv_tile(v_base, ids, pos, n_mask, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
 
