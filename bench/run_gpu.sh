@@ -68,7 +68,11 @@ if [[ " ${FAILED[*]} " == *" test_fused_gpu "* ]]; then
   export PAGEDINFER_FUSED_KERNELS=0
   echo "- fused kernels failed: PAGEDINFER_FUSED_KERNELS=0 for the rest of the run" >>"$SUMMARY"
 fi
-step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels --ignore=tests/kernels/test_fused_gpu.py
+# Most of this step is Triton compiling ~200 kernel variants on one CPU core; with pytest-xdist
+# (carried in .whl/) four workers compile side by side and share Triton's on-disk cache.
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${GPU_TEST_WORKERS:-4}")
+step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m gpu tests/kernels --ignore=tests/kernels/test_fused_gpu.py
 
 # 3. benchmarks (each writes JSON + PNG + a text summary into OUTDIR)
 # shellcheck disable=SC2086  # ATTENTION_BENCH_ARGS (e.g. "--tune decode") splits into words
