@@ -3,11 +3,13 @@
 Each API server has a pipe of its own (`start_shared_core` here, remote_core.attach_remote_engine
 on the API server's side) carrying core_process's messages. The core (`_SharedCoreLoop`) waits on
 every pipe, remembers which pipe added each request id and sends each step's outputs (and a failed
-step's request ids) to their owner only; stats, step stats, phases, ready and failed go to every
-pipe, and each step message also carries the number of that pipe's requests still waiting
-(`RemoteCore` counts only its own). A pipe that says stop or breaks has its requests aborted; the
-core exits when no pipe is left (or its parent, the launcher, is gone). The same per-pipe reader
-and writer threads keep the same no-deadlock property.
+step's request ids) to their owner only; phases, ready and failed go to every pipe. A step message
+also carries the core's stats, the step stats and the number of that pipe's requests still
+waiting (`RemoteCore` counts only its own); a pipe with nothing new in a step (no outputs, same
+waiting count) gets one only every STATS_INTERVAL_S and when the core goes idle, with the step
+stats of the steps it skipped (`_Mirror`). A pipe that says stop or breaks has its requests
+aborted; the core exits when no pipe is left (or its parent, the launcher, is gone). The same
+per-pipe reader and writer threads keep the same no-deadlock property.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -31,6 +36,11 @@ from pagedinfer.engine.core_process import (
 from pagedinfer.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+# How stale an API server's mirror of the core's stats (/metrics gauges, /debug/engine_stats) may
+# get while none of its requests is in a step; its waiting count (admission) is sent on every
+# change. Scrapes come seconds apart; sending every step (~100/s on a GPU) to every idle API
+# server cost the core a pickle and a send per pipe per step and woke each one's reader thread.
+STATS_INTERVAL_S = 0.1
 
 
 def start_shared_core(config: EngineConfig, conns: list) -> multiprocessing.process.BaseProcess:
@@ -60,6 +70,16 @@ def _shared_core_main(config: EngineConfig, conns: list) -> None:
     loop.serve(built.core, step_stats)
 
 
+@dataclass
+class _Mirror:
+    """What one pipe was last sent, and the step stats it has not been sent yet (its metrics
+    count speculative tokens from every step's stats: a skipped step's must come later)."""
+
+    report: tuple[int, int] | None = None  # (adds received, its requests waiting) as last sent
+    sent_at: float = 0.0
+    step_stats: list[StepStats] = field(default_factory=list)
+
+
 class _SharedCoreLoop:
     """The core's side of N API servers' pipes: core_process._serve for one pipe, plus who owns what."""
 
@@ -69,6 +89,7 @@ class _SharedCoreLoop:
         self.num_adds = dict.fromkeys(conns, 0)  # adds received per pipe (its RemoteCore's count)
         self.rejected: dict[Any, list[RequestOutput]] = {}  # duplicate ids, answered with the next step
         self.in_flight: set[str] = set()
+        self.mirrors: defaultdict[Any, _Mirror] = defaultdict(_Mirror)
         self.core = None
         parent = multiprocessing.parent_process()
         self._parent_sentinel = parent.sentinel if parent is not None else None
@@ -144,6 +165,7 @@ class _SharedCoreLoop:
             return
         self.live.remove(conn)
         self.rejected.pop(conn, None)
+        self.mirrors.pop(conn, None)
         conn.close()  # its RemoteCore's reader sees the pipe end
         owned = [request_id for request_id, owner in self.owner.items() if owner is conn]
         for request_id in owned:
@@ -164,16 +186,31 @@ class _SharedCoreLoop:
             conn = self.owner.pop(out.request_id, None) if out.finished else self.owner.get(out.request_id)
             if conn in routed:
                 routed[conn].append(out)
+        self._send_mirrors(routed, set(failed), step_stats)
+        for conn, request_ids in failed.items():
+            if conn in self.live:
+                self._send(conn, ("step_failed", failure[0], request_ids))
+
+    def _send_mirrors(
+        self, routed: dict[Any, list[RequestOutput]], failed: set, step_stats: list[StepStats]
+    ) -> None:
+        """A step message to each pipe with news (outputs, failed ids, a new add or waiting count),
+        else only once its mirror is STATS_INTERVAL_S old or the core goes idle (it then blocks
+        until a message comes: the last chance to send the final stats)."""
         num_waiting = dict.fromkeys(self.live, 0)
         for seq in self.core.scheduler.waiting:
             conn = self.owner.get(seq.request_id)
             if conn in num_waiting:
                 num_waiting[conn] += 1
-        stats = self.core.stats()
+        now, is_idle, stats = time.monotonic(), not self.core.has_unfinished(), None
         for conn in list(self.live):
-            self._send(
-                conn, ("step", routed[conn], step_stats, stats, self.num_adds[conn], num_waiting[conn])
-            )
-        for conn, request_ids in failed.items():
-            if conn in self.live:
-                self._send(conn, ("step_failed", failure[0], request_ids))
+            mirror = self.mirrors[conn]
+            mirror.step_stats += step_stats
+            report = (self.num_adds[conn], num_waiting[conn])
+            is_news = bool(routed[conn]) or conn in failed or report != mirror.report
+            if not (is_news or is_idle or now - mirror.sent_at >= STATS_INTERVAL_S):
+                continue
+            stats = self.core.stats() if stats is None else stats
+            msg = ("step", routed[conn], mirror.step_stats, stats, *report)
+            mirror.report, mirror.sent_at, mirror.step_stats = report, now, []
+            self._send(conn, msg)

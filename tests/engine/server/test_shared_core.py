@@ -6,18 +6,20 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from collections import Counter
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 
 import pytest
 
 from pagedinfer.engine.config import EngineConfig, SchedulerConfig
+from pagedinfer.engine.core.scheduler_output import StepStats
 from pagedinfer.engine.core_process import CoreInfo, _Add
 from pagedinfer.engine.outputs import FinishReason
 from pagedinfer.engine.remote_core import CoreStepError, RemoteCore
 from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.server.api_servers import api_server_engine_config
-from pagedinfer.engine.shared_core import _SharedCoreLoop
+from pagedinfer.engine.shared_core import STATS_INTERVAL_S, _SharedCoreLoop
 from tests.engine.test_core_process import _FakeCore
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,8 +27,17 @@ LONG = SamplingParams(max_tokens=10**6)
 
 
 class _Core(_FakeCore):
-    """The fake core with the scheduler's waiting queue (the loop counts each server's) and a
-    step count in its stats (mirrored by every API server)."""
+    """The fake core with the scheduler's waiting queue (the loop counts each server's), a step
+    count in its stats (mirrored by every API server) and one StepStats per step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.step_stats: list[StepStats] = []  # the loop's listener list: it takes them per step
+
+    def step(self):
+        outputs = super().step()
+        self.step_stats.append(StepStats(self.num_steps, len(self.left), 0, 1, 0, 1, 0, 0, 0, 0, 0.0))
+        return outputs
 
     @property
     def scheduler(self) -> SimpleNamespace:
@@ -37,14 +48,28 @@ class _Core(_FakeCore):
         return {**super().stats(), "num_steps": float(self.num_steps)}
 
 
+class _CountingLoop(_SharedCoreLoop):
+    """Counts the step messages sent to each pipe."""
+
+    def __init__(self, conns: list) -> None:
+        super().__init__(conns)
+        self.num_step_msgs: Counter = Counter()
+
+    def _send(self, conn, msg: tuple) -> None:
+        if msg[0] == "step":
+            self.num_step_msgs[conn] += 1
+        super()._send(conn, msg)
+
+
 class _Shared:
     """`num_servers` RemoteCores on one `_SharedCoreLoop` running on a thread."""
 
     def __init__(self, core: _Core, num_servers: int) -> None:
         self.core = core
         pipes = [multiprocessing.Pipe(duplex=True) for _ in range(num_servers)]
-        self.loop = _SharedCoreLoop([core_end for _, core_end in pipes])
-        self.thread = threading.Thread(target=self.loop.serve, args=(core, []), daemon=True)
+        self.core_ends = [core_end for _, core_end in pipes]
+        self.loop = _CountingLoop(self.core_ends)
+        self.thread = threading.Thread(target=self.loop.serve, args=(core, core.step_stats), daemon=True)
         self.thread.start()
         info = CoreInfo(None, None, 8192, None, 100_000, 4, 8, core.stats())
         process = SimpleNamespace(
@@ -94,10 +119,48 @@ def test_each_server_gets_only_its_requests_outputs_and_every_server_the_stats()
     shared.close()
 
 
+def test_an_idle_server_gets_fewer_step_messages_yet_every_step_stats_and_fresh_stats():
+    # 300 steps of at least 2 ms: at least 0.6 s of streaming, so at least 6 STATS_INTERVAL_S.
+    assert STATS_INTERVAL_S == 0.1
+    shared = _Shared(_Core(delay=0.002, min_adds=2), 3)
+    a, b, idle = shared.remotes
+    seen: list[list[int]] = [[], [], []]  # step numbers each server's step listener saw
+    for remote, steps in zip(shared.remotes, seen, strict=True):
+        remote.add_step_listener(lambda s, steps=steps: steps.append(s.step))
+    stats_while_streaming: set[float] = set()  # the idle mirror's step counts while a streams
+    a.add_request("a", [1], SamplingParams(max_tokens=300))
+    b.add_request("b", [1], SamplingParams(max_tokens=100))
+    got_a: list = []
+    while a.has_unfinished():
+        got_a += a.step()
+        stats_while_streaming.add(idle.stats().get("num_steps", 0.0))
+    got_b = _run(b)
+    num_steps = shared.core.num_steps
+    assert num_steps == 300
+    # Outputs: all of each request's tokens, to its own server only; none to the idle one.
+    assert {o.request_id for o in got_a} == {"a"} and {o.request_id for o in got_b} == {"b"}
+    assert sum(len(d.token_ids) for o in got_a for d in o.deltas) == 300
+    assert sum(len(d.token_ids) for o in got_b for d in o.deltas) == 100
+    assert got_a[-1].finished and got_b[-1].finished
+    # The idle server: its stats refreshed while a streamed, the final ones when the core went
+    # idle, every step's StepStats once and in order, in far fewer messages than steps.
+    _until(lambda: idle.stats().get("num_steps") == num_steps and min(map(len, seen)) == num_steps)
+    assert len(stats_while_streaming - {0.0, float(num_steps)}) >= 3, sorted(stats_while_streaming)
+    assert seen == [list(range(1, num_steps + 1))] * 3
+    num_msgs = [shared.loop.num_step_msgs[conn] for conn in shared.core_ends]
+    assert num_msgs[0] == num_steps  # a had a token in every step
+    assert num_msgs[2] < num_steps // 3, num_msgs  # ~ one per 0.1 s against ~ one step per 2-3 ms
+    assert num_msgs[1] < num_steps, num_msgs  # b, idle for its last 200 steps
+    assert not idle.has_unfinished() and not idle._received
+    shared.close()
+
+
 def test_an_id_in_flight_from_another_server_is_refused_and_only_its_owner_aborts_it():
-    shared = _Shared(_Core(), 2)
+    # x must still be in flight when b's add and abort arrive: 100 steps of at least 5 ms (with
+    # no delay its 30 steps once ended first, when idle pipes stopped being sent every step).
+    shared = _Shared(_Core(delay=0.005), 2)
     a, b = shared.remotes
-    a.add_request("x", [1], SamplingParams(max_tokens=30))
+    a.add_request("x", [1], SamplingParams(max_tokens=100))
     _until(lambda: shared.core.num_adds == 1)
     b.add_request("x", [1], SamplingParams(max_tokens=2))
     refused = _run(b)
@@ -108,7 +171,7 @@ def test_an_id_in_flight_from_another_server_is_refused_and_only_its_owner_abort
     b._outbox.put(ForkingPickler.dumps(("abort", "x")))  # b's abort of a's request: ignored
     outputs = _run(a)
     assert outputs[-1].deltas[-1].finish_reason is FinishReason.LENGTH
-    assert sum(len(d.token_ids) for o in outputs for d in o.deltas) == 30 and "x" not in shared.core.aborted
+    assert sum(len(d.token_ids) for o in outputs for d in o.deltas) == 100 and "x" not in shared.core.aborted
     shared.close()
 
 
