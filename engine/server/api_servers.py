@@ -11,19 +11,24 @@ the process `serve` started in becomes a launcher that serves nothing itself:
   (16 of 16 measured). Binding in the launcher shows a bind error once, before anything
   starts, and connections wait in the backlog while the API servers start. (SO_REUSEPORT lets
   other processes of the same user join the port: a container runs nothing else.);
+- it reserves the gRPC port (`reserve_grpc_port`: a bound SO_REUSEPORT socket that never
+  listens, held until the launcher exits): a port another program holds fails there, once,
+  before anything starts, and --grpc-port 0 becomes one port. Every API server's gRPC server
+  joins it (grpc.so_reuseport 1), so the kernel spreads gRPC connections over the processes as
+  it does HTTP's. One channel is one connection, served by one process: a single client with
+  one channel stays on one API server. Until the API servers bind, gRPC connections are refused;
 - it makes the Prometheus multiprocess folder (PROMETHEUS_MULTIPROC_DIR, inherited by the API
   servers, which import prometheus_client after it is set) and removes it at exit;
 - it spawns the engine core with one pipe per API server (shared_core.start_shared_core),
   then the N API servers (spawn context: fresh interpreters, no inherited threads or CUDA),
   each a whole `ServerProcess` (FastAPI app, metrics, AsyncEngine over a RemoteCore on its pipe).
 
-Per-process behaviour: gRPC is served by API server 0 only (grpc_server binds without
-SO_REUSEPORT). Readiness, /startup and liveness answer for the process that takes the probe; all
-follow the same core, so they agree but for the moment each takes to hear of it. The waiting
-queue (--max-waiting-requests, 429 / RESOURCE_EXHAUSTED beyond) is split: each API server admits
-up to max_waiting // N of its own requests waiting in the core, so the core's own limit is never
-hit late, but one server may refuse while another still has room. API keys are checked by every
-process alike.
+Per-process behaviour: readiness, /startup, liveness and gRPC health (and reflection) answer
+for the process that takes the probe or the connection; all follow the same core, so they agree
+but for the moment each takes to hear of it. The waiting queue (--max-waiting-requests, 429 /
+RESOURCE_EXHAUSTED beyond) is split: each API server admits up to max_waiting // N of its own
+requests waiting in the core, so the core's own limit is never hit late, but one server may
+refuse while another still has room. API keys are checked by every process alike.
 
 SIGTERM/SIGINT to the launcher: forwarded once as SIGTERM to every API server, which drain as a
 lone server does (readiness false, 503 for new requests, in-flight streams finish within
@@ -75,11 +80,8 @@ def bind_http_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock = _reuseport_socket(family, host, port)
             sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
             port = sock.getsockname()[1]
             sock.listen(2048)
     except OSError as exc:
@@ -87,6 +89,50 @@ def bind_http_sockets(host: str, port: int, count: int) -> list[socket.socket]:
             sock.close()
         raise SystemExit(f"cannot bind HTTP to {host}:{port}: {exc}") from exc
     return sockets
+
+
+def reserve_grpc_port(host: str, port: int) -> socket.socket:
+    """A bound, never listening SO_REUSEPORT socket on the gRPC port, which the launcher holds
+    while the API servers run: a port another program holds fails here, once, before anything
+    starts, and port 0 becomes one port that every API server's gRPC server joins
+    (grpc.so_reuseport 1). It takes no connections: only listening sockets are in the group the
+    kernel picks from. Seen on Linux 6.18: a connection to the port with only this socket bound
+    is refused (ECONNREFUSED); with two listeners beside it, 200 connections went 101 / 99 to
+    the listeners (test_api_servers checks this on the machine it runs on)."""
+    try:
+        if host not in ("", "0.0.0.0", "::"):
+            return _reuseport_socket(socket.AF_INET6 if ":" in host else socket.AF_INET, host, port)
+        # gRPC binds a wildcard host as one dual-stack [::] socket (0.0.0.0 without IPv6): so does
+        # the reservation, which then fails wherever gRPC's own bind would.
+        if _has_ipv6():
+            return _reuseport_socket(socket.AF_INET6, "::", port, is_dual_stack=True)
+        return _reuseport_socket(socket.AF_INET, "0.0.0.0", port)
+    except OSError as exc:
+        raise SystemExit(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
+
+
+def _reuseport_socket(
+    family: socket.AddressFamily, host: str, port: int, is_dual_stack: bool = False
+) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if is_dual_stack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _has_ipv6() -> bool:
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
 
 
 def api_server_engine_config(config: EngineConfig, count: int) -> EngineConfig:
@@ -110,6 +156,14 @@ def run_api_servers(
     count = server_config.api_server_count
     assert count > 1, "one API server runs without a launcher (serve.run_server)"
     sockets = bind_http_sockets(server_config.host, server_config.http_port, count)
+    try:
+        grpc_reservation = reserve_grpc_port(server_config.host, server_config.grpc_port)
+    except SystemExit:
+        for sock in sockets:
+            sock.close()
+        raise
+    # --grpc-port 0: the port the reservation took, for every API server to join.
+    server_config = dataclasses.replace(server_config, grpc_port=grpc_reservation.getsockname()[1])
     signals = _SignalLatch()
     metrics_dir = tempfile.mkdtemp(prefix="pagedinfer-metrics-")
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # before spawning: the children inherit it
@@ -146,6 +200,7 @@ def run_api_servers(
         return code
     finally:
         signals.restore()
+        grpc_reservation.close()
         os.environ.pop(MULTIPROC_DIR_ENV, None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
 

@@ -286,13 +286,17 @@ def _service_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
 
 
 class GrpcServer:
-    """The gRPC side of one server process."""
+    """The gRPC side of one server process. `is_reuse_port`: one of several API servers on the
+    port the launcher reserved (api_servers.reserve_grpc_port); a lone server binds without
+    SO_REUSEPORT (gRPC's default is on), so a second server on its port fails to bind."""
 
-    def __init__(self, service: GenerationService, config: ServerConfig, auth: ApiKeyAuth) -> None:
+    def __init__(
+        self, service: GenerationService, config: ServerConfig, auth: ApiKeyAuth, is_reuse_port: bool = False
+    ) -> None:
         options = [
             ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(is_reuse_port)),
         ]
         interceptors = [_AuthInterceptor(auth)] if auth.enabled else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)

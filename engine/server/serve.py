@@ -5,7 +5,8 @@ gRPC health says NOT_SERVING), the engine loads in the background, then everythi
 ready. SIGTERM/SIGINT: readiness goes false, new requests get 503 / UNAVAILABLE, in-flight
 requests finish (bounded by --drain-timeout), the servers stop, the process exits 0.
 With --api-server-count N > 1, N of these run as API-server processes under a launcher
-(api_servers.py): on a socket the launcher bound, with multiprocess metrics, gRPC in server 0.
+(api_servers.py): HTTP on a socket the launcher bound, gRPC on the port it reserved (SO_REUSEPORT),
+multiprocess metrics.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class ServerProcess:
     engine_config: EngineConfig
     server_config: ServerConfig
     loader: EngineLoader = default_loader
-    # One of several API servers (--api-server-count): HTTP on the launcher's socket,
-    # multiprocess metrics, gRPC in server 0 only, SIGINT left to the launcher.
+    # One of several API servers (--api-server-count): HTTP on the launcher's socket, gRPC
+    # joining the port it reserved, multiprocess metrics, SIGINT left to the launcher.
     api_server_index: int | None = None
     sockets: list[socket.socket] | None = None
 
@@ -74,8 +75,8 @@ class ServerProcess:
         self.service = GenerationService(self.handle, self.metrics)
         auth = ApiKeyAuth(self.server_config.api_key)
         self.app = build_app(self.service, self.server_config, auth)
-        self.grpc = (
-            GrpcServer(self.service, self.server_config, auth) if self.api_server_index in (None, 0) else None
+        self.grpc = GrpcServer(
+            self.service, self.server_config, auth, is_reuse_port=self.api_server_index is not None
         )
         self.stop_requested = asyncio.Event()
 
@@ -105,9 +106,8 @@ class ServerProcess:
         if http_task.done():
             http_task.result()  # bind failure: raise it
             return 1
-        if self.grpc is not None:
-            await self.grpc.start()
-            self.handle.on_ready(lambda: self.grpc.set_serving(True))
+        await self.grpc.start()
+        self.handle.on_ready(lambda: self.grpc.set_serving(True))
         self.handle.on_ready(lambda: self.handle.engine.add_step_listener(self.metrics.on_step))
         self._log_serving(loop)
         self.handle.start_loading()
@@ -119,11 +119,12 @@ class ServerProcess:
 
     def _log_serving(self, loop: asyncio.AbstractEventLoop) -> None:
         http_port = self.server_config.http_port if not self.sockets else self.sockets[0].getsockname()[1]
-        if self.grpc is not None:
+        if self.api_server_index in (None, 0):  # once: every API server serves the same ports
             logger.info(describe_urls(self.server_config, http_port, self.grpc.port))
         if self.api_server_index is not None:
+            index, pid, grpc_port = self.api_server_index, os.getpid(), self.grpc.port
             logger.info(
-                "API server %d (pid %d) accepts on port %d", self.api_server_index, os.getpid(), http_port
+                "API server %d (pid %d) accepts on ports %d, %d (gRPC)", index, pid, http_port, grpc_port
             )
         logger.info("event loop: %s.%s", type(loop).__module__, type(loop).__name__)
 
@@ -135,12 +136,10 @@ class ServerProcess:
 
     async def shutdown(self, http: _Uvicorn, http_task: asyncio.Task) -> None:
         logger.info("shutting down: draining %d in-flight requests", self.handle.num_in_flight)
-        if self.grpc is not None:
-            await self.grpc.set_serving(False)
+        await self.grpc.set_serving(False)
         drained = await self.handle.drain_and_shutdown(self.server_config.drain_timeout_seconds)
         await self.service.wait_background()
-        if self.grpc is not None:
-            await self.grpc.stop(grace_seconds=1.0)
+        await self.grpc.stop(grace_seconds=1.0)
         http.should_exit = True
         await http_task
         logger.info("shut down (%s)", "drained" if drained else "drain timed out")

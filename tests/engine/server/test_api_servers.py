@@ -1,17 +1,22 @@
-"""`pagedinfer serve --api-server-count 2` on loopback (tiny random model): requests spread over
-both API-server processes with the same greedy text as one server, /metrics summed over the
-processes but engine gauges not doubled, KV blocks freed, SIGTERM drains every process, and no
-process outlives the launcher."""
+"""`pagedinfer serve --api-server-count 2` on loopback (tiny random model): HTTP and gRPC
+connections spread over both API-server processes with the same greedy text as one server,
+/metrics summed over the processes but engine gauges not doubled, KV blocks freed, a held gRPC
+port fails before anything starts, SIGTERM drains every process, and no process outlives the
+launcher."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -20,12 +25,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedinfer.engine.server.api_servers import reserve_grpc_port
 from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
 from pagedinfer.engine.server.proto_gen import inference_pb2_grpc as pb_grpc
 
 SERVER_MODEL = "tiny"
 SERVER_ARGS = ("--api-server-count", "2")
 NUM_STREAMS = 24
+NUM_GRPC_CHANNELS = 16
 STREAM_TOKENS = 2000  # the drained streams: long enough (seconds) to be in flight at SIGTERM
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,12 +159,96 @@ def test_streams_spread_over_both_processes_same_text_summed_metrics(
     assert len(metrics["pagedinfer_kv_cache_total_blocks"]) == 1
 
 
-def test_grpc_is_served_by_the_first_api_server(server) -> None:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4, temperature=0))
-        responses = list(pb_grpc.InferenceServiceStub(channel).Generate(request, timeout=60))
-    assert responses[-1].finished and responses[-1].usage.completion_tokens == 4
-    assert "grpc=127.0.0.1:" in server.log() and "API server 1 (pid" in server.log()
+def _requests_per_server(proc) -> list[float]:
+    samples = _metrics(proc)["pagedinfer_api_server_requests"]
+    return [_value(samples, "pagedinfer_api_server_requests_total", api_server=str(i)) for i in (0, 1)]
+
+
+def _generate_on_own_connection(target: str, i: int) -> list:
+    # Channels of one process share a connection (the global subchannel pool) unless each has
+    # a pool of its own: then each is a TCP connection of its own, as a client process's is.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        request = pb.GenerateRequest(
+            prompt=f"request {i}", sampling=pb.SamplingParams(max_tokens=4, temperature=0)
+        )
+        return list(pb_grpc.InferenceServiceStub(channel).Generate(request, timeout=120))
+
+
+def test_grpc_connections_spread_over_both_processes(server) -> None:
+    ports = re.findall(r"API server \d \(pid \d+\) accepts on ports \d+, (\d+) \(gRPC\)", server.log())
+    assert ports == [str(server.grpc_port)] * 2, ports  # both joined the one reserved port
+    before = _requests_per_server(server)
+    with ThreadPoolExecutor(NUM_GRPC_CHANNELS) as pool:
+        results = list(
+            pool.map(partial(_generate_on_own_connection, server.grpc_target), range(NUM_GRPC_CHANNELS))
+        )
+    assert all(r[-1].finished and r[-1].usage.completion_tokens == 4 for r in results), results
+    deadline = time.monotonic() + 30
+    while (
+        sum(served := [a - b for a, b in zip(_requests_per_server(server), before, strict=True)])
+        < NUM_GRPC_CHANNELS
+    ):
+        assert time.monotonic() < deadline, served  # counted as each stream's handler ends
+        time.sleep(0.1)
+    # Each connection is hashed to one process: P(all 16 on one of two) = 2^-15.
+    assert sum(served) == NUM_GRPC_CHANNELS and min(served) > 0, served
+
+
+def test_the_grpc_port_reservation_takes_no_connections_and_fails_on_a_held_port() -> None:
+    """What the launcher relies on, on this machine's kernel: the reservation (bound, not
+    listening) refuses connections alone and takes none beside listeners, yet keeps others out."""
+    with reserve_grpc_port("127.0.0.1", 0) as reservation:
+        port = reservation.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        listeners = [_reuseport_listener(port) for _ in range(2)]  # as the API servers' gRPC servers
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(64)]
+        accepted = [0, 0]
+        deadline = time.monotonic() + 10
+        while sum(accepted) < len(clients):
+            assert time.monotonic() < deadline, accepted
+            for i, listener in enumerate(listeners):
+                with contextlib.suppress(BlockingIOError):
+                    listener.accept()[0].close()
+                    accepted[i] += 1
+        assert min(accepted) > 0, accepted
+        with socket.socket() as other, pytest.raises(OSError):  # no SO_REUSEPORT: kept out
+            other.bind(("127.0.0.1", port))
+        for sock in clients + listeners:
+            sock.close()
+    with reserve_grpc_port("0.0.0.0", 0) as wildcard, socket.socket() as other, pytest.raises(OSError):
+        other.bind(("0.0.0.0", wildcard.getsockname()[1]))  # gRPC's dual-stack [::] bind: IPv4 kept out
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(SystemExit, match="cannot bind gRPC to 127.0.0.1"):
+            reserve_grpc_port("127.0.0.1", held.getsockname()[1])
+
+
+def _reuseport_listener(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def test_a_grpc_port_held_by_another_program_fails_once_before_anything_starts(
+    server_proc_cls, tiny_model
+) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        proc = server_proc_cls(extra_args=SERVER_ARGS, model=tiny_model, grpc_port=held.getsockname()[1])
+        try:
+            code = proc.start().proc.wait(120)
+        finally:
+            proc.stop()
+    log = proc.log()
+    assert code == 1 and log.count("cannot bind gRPC to 127.0.0.1:") == 1, log
+    assert "engine core" not in log and "API server" not in log, log  # nothing was started
 
 
 def test_sigterm_drains_in_flight_streams_on_every_process_and_exits_0(server_proc_cls, tiny_model) -> None:
