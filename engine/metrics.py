@@ -11,10 +11,13 @@ With several API-server processes (`--api-server-count N`, `api_server_index` se
 request-level series live in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR,
 made by the launcher) and /metrics merges every process's (`scrape_registry`): counters and
 histograms are summed. The engine series stay scrape-time reads of the answering process's
-mirror of the core's stats (every API server gets every step's stats), so they are never in
-those files and never summed N times; for the same reason the speculative-decoding counters
-then come from that mirror too. `pagedinfer_api_server_requests_total{api_server}` shows how
-requests spread over the processes.
+mirror of the core's stats, so they are never in those files and never summed N times; for the
+same reason the speculative-decoding counters then come from that mirror too. An API server with
+nothing new in a step (none of its requests' outputs, the same waiting count) gets the core's
+stats only every shared_core.STATS_INTERVAL_S (0.1 s) and when the core goes idle, so its mirror
+may be that stale; the StepStats of the steps it skipped come with the next message, so the
+speculative-decoding counters still count every step once.
+`pagedinfer_api_server_requests_total{api_server}` shows how requests spread over the processes.
 """
 
 from __future__ import annotations

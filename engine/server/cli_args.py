@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
+from collections.abc import Callable
 
 from pagedinfer.engine.config import (
     DEFAULT_MODEL_URI,
@@ -15,6 +17,11 @@ from pagedinfer.engine.config import (
     ServerConfig,
     SpeculativeConfig,
 )
+from pagedinfer.engine.server.cpu_budget import CpuBudget, auto_api_server_count, read_cpu_budget
+
+logger = logging.getLogger("pagedinfer.server")
+AUTO = "auto"
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -74,10 +81,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     )
     srv.add_argument(
         "--api-server-count",
-        type=int,
-        default=ServerConfig.api_server_count,
-        help="HTTP API-server processes in front of one engine core, all on --http-port "
-        "(> 1 runs the engine in its own process; gRPC is served by the first)",
+        type=api_server_count_arg,
+        default=AUTO,
+        metavar="N|auto",
+        help="API-server processes (HTTP and gRPC) in front of one engine core, all on the same "
+        "ports; > 1 runs the engine in its own process. auto (default): 1 when the engine core "
+        "runs in-process (the CPU default, --no-engine-process), else one per 4 usable CPUs, 1 to 4",
     )
     srv.add_argument(
         "--loop",
@@ -149,7 +158,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_bytes=args.max_request_bytes,
         drain_timeout_seconds=args.drain_timeout,
         enable_vllm_metrics=args.enable_vllm_metrics,
-        api_server_count=args.api_server_count,
+        api_server_count=resolve_api_server_count(args),  # an int passes through
     )
 
 
@@ -176,21 +185,50 @@ def wants_engine_process(args: argparse.Namespace) -> bool:
     return args.device.startswith("cuda") or torch.cuda.is_available()
 
 
-def check_api_server_count(args: argparse.Namespace) -> None:
-    """--api-server-count N > 1 puts N processes in front of one core in a process of its own."""
-    if args.api_server_count < 1:
-        raise SystemExit("--api-server-count must be >= 1")
-    if args.api_server_count > 1 and args.engine_process is False:
-        raise SystemExit(
-            "--api-server-count > 1 needs the engine core in its own process: drop --no-engine-process"
-        )
+def api_server_count_arg(text: str) -> int | str:
+    """argparse type of --api-server-count: a positive int or "auto"."""
+    if text == AUTO:
+        return AUTO
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return count
+
+
+def resolve_api_server_count(
+    args: argparse.Namespace, read_cpus: Callable[[], CpuBudget] = read_cpu_budget
+) -> int:
+    """--api-server-count as an int. N > 1 puts N processes in front of one core in a process of
+    its own, so it is refused with --no-engine-process. auto: 1 when the core runs in-process
+    (nothing to put in front of), else auto_api_server_count of the CPUs this process may use."""
+    count = args.api_server_count
+    if count != AUTO:
+        if count < 1:  # argparse checks it; a Namespace built by hand may not
+            raise SystemExit("--api-server-count must be >= 1")
+        if count > 1 and args.engine_process is False:
+            raise SystemExit(
+                "--api-server-count > 1 needs the engine core in its own process: drop --no-engine-process"
+            )
+        return count
+    if not wants_engine_process(args):
+        logger.info("--api-server-count auto: 1 (the engine core runs in this process)")
+        return 1
+    budget = read_cpus()
+    count = auto_api_server_count(budget)
+    logger.info("--api-server-count auto: %d (engine core in its own process; %s)", count, budget.describe())
+    return count
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
     from pagedinfer.engine.server.engine_handle import default_loader, engine_process_loader
     from pagedinfer.engine.server.serve import run_server  # heavy imports only when serving
 
-    check_api_server_count(args)
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)  # before auto's line is logged
+    # Resolved once: every later reader (server config, launcher) sees the int.
+    args = argparse.Namespace(**{**vars(args), "api_server_count": resolve_api_server_count(args)})
     apply_process_settings(args)
     if args.api_server_count > 1:
         from pagedinfer.engine.server.api_servers import run_api_servers

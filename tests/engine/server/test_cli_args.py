@@ -11,11 +11,12 @@ import torch
 
 from pagedinfer.engine.cli import build_parser
 from pagedinfer.engine.server.cli_args import (
-    check_api_server_count,
+    resolve_api_server_count,
     run_serve_command,
     server_config_from_args,
     wants_engine_process,
 )
+from pagedinfer.engine.server.cpu_budget import CpuBudget
 
 
 @pytest.mark.parametrize(
@@ -33,31 +34,69 @@ def test_engine_process_is_on_for_gpu_serving_unless_told(argv, expected):
     assert wants_engine_process(args) is expected
 
 
-@pytest.mark.parametrize(
-    ("argv", "error"),
-    [
-        (["--api-server-count", "2", "--no-engine-process"], "needs the engine core in its own process"),
-        (["--api-server-count", "0"], "--api-server-count must be >= 1"),
-    ],
-)
-def test_bad_api_server_count_combinations_exit_with_a_message(argv, error):
-    args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
-    with pytest.raises(SystemExit, match=error):
+def test_bad_api_server_count_combinations_exit_with_a_message():
+    args = build_parser().parse_args(
+        ["serve", "--device", "cpu", "--api-server-count", "2", "--no-engine-process"]
+    )
+    with pytest.raises(SystemExit, match="needs the engine core in its own process"):
         run_serve_command(args)  # refused before anything is bound or loaded
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "x", "1.5", "AUTO", ""])
+def test_api_server_count_must_be_a_positive_int_or_auto(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--api-server-count", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --api-server-count: expected a positive integer or 'auto', got {value!r}" in err, err
+
+
+@pytest.mark.parametrize(("value", "expected"), [([], "auto"), (["auto"], "auto"), (["1"], 1), (["7"], 7)])
+def test_api_server_count_parses_auto_and_ints(value, expected):
+    argv = ["serve", "--api-server-count", *value] if value else ["serve"]
+    assert build_parser().parse_args(argv).api_server_count == expected
+
+
+def _never_read() -> CpuBudget:
+    raise AssertionError("the CPU budget is read only for auto with an engine process")
+
+
 @pytest.mark.parametrize(
-    "argv", [[], ["--engine-process"], ["--api-server-count", "1", "--no-engine-process"]]
+    ("argv", "budget", "expected"),
+    [
+        (["--device", "cpu"], _never_read, 1),  # the CPU default: the core runs in-process
+        (["--device", "cuda", "--no-engine-process"], _never_read, 1),
+        (["--device", "cuda"], lambda: CpuBudget(16), 4),  # the measured H200 host
+        (["--device", "cuda"], lambda: CpuBudget(16, 2), 1),  # a 2-CPU limit
+        (["--device", "cuda"], lambda: CpuBudget(16, 8), 2),
+        (["--device", "cuda"], lambda: CpuBudget(256), 4),
+        (["--device", "cpu", "--engine-process"], lambda: CpuBudget(12), 3),
+        (["--device", "cuda", "--api-server-count", "3"], _never_read, 3),  # an int is kept
+        (["--device", "cpu", "--api-server-count", "2"], _never_read, 2),  # engine process implied
+        (["--device", "cuda", "--api-server-count", "1", "--no-engine-process"], _never_read, 1),
+    ],
 )
-def test_api_server_count_defaults_to_one_and_allows_every_engine_mode(argv):
-    args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
-    check_api_server_count(args)
-    assert server_config_from_args(args).api_server_count == 1
+def test_auto_resolves_from_the_engine_mode_and_the_cpus(argv, budget, expected):
+    args = build_parser().parse_args(["serve", *argv])
+    assert resolve_api_server_count(args, read_cpus=budget) == expected
 
 
-def test_api_server_count_reaches_the_server_config():
+def test_auto_logs_what_it_resolved_to_and_why(caplog):
+    with caplog.at_level("INFO", logger="pagedinfer.server"):
+        resolve_api_server_count(build_parser().parse_args(["serve", "--device", "cpu"]))
+        args = build_parser().parse_args(["serve", "--device", "cuda"])
+        resolve_api_server_count(args, read_cpus=lambda: CpuBudget(16, 8))
+    assert "--api-server-count auto: 1 (the engine core runs in this process)" in caplog.messages
+    assert (
+        "--api-server-count auto: 2 (engine core in its own process; "
+        "8 CPUs usable: 16 in the affinity mask, CPU quota 8)"
+    ) in caplog.messages
+
+
+def test_server_config_gets_the_resolved_count():
+    args = build_parser().parse_args(["serve", "--device", "cpu"])
+    assert server_config_from_args(args).api_server_count == 1  # auto, engine in-process
     args = build_parser().parse_args(["serve", "--device", "cpu", "--api-server-count", "3"])
-    check_api_server_count(args)  # the engine process is implied on the CPU too
     assert server_config_from_args(args).api_server_count == 3
 
 

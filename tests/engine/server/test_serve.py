@@ -49,6 +49,9 @@ def test_grpc_and_http_stream_on_the_loop_then_sigterm_exits_0(
     try:
         proc.wait_ready()
         assert f"event loop: {loop_name}\n" in proc.log(), proc.log()[-2000:]
+        # --api-server-count auto on the CPU: one API server, the engine in-process, no launcher.
+        assert "--api-server-count auto: 1 (the engine core runs in this process)\n" in proc.log()
+        assert "launcher (pid" not in proc.log() and "API server 0" not in proc.log(), proc.log()[-2000:]
         with grpc.insecure_channel(proc.grpc_target) as channel:
             request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4, temperature=0))
             responses = list(pb_grpc.InferenceServiceStub(channel).Generate(request, timeout=60))
