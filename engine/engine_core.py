@@ -27,7 +27,8 @@ from pagedinfer.engine.errors import EngineOverloadedError
 from pagedinfer.engine.output_processor import OutputProcessor
 from pagedinfer.engine.outputs import RequestOutput
 from pagedinfer.engine.request import Request
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.request_checks import RequestLimits, check_request
+from pagedinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -112,25 +113,15 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for a request this engine can never serve."""
-        num = len(prompt_token_ids)
-        if num == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if num >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num} tokens; this model's context is {self.max_model_len} "
-                f"(prompt + at least one output token must fit)"
-            )
-        if self.vocab_size is not None and any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
         kv = self.scheduler.kv
-        if not kv.fits_alone(num + 1):
-            raise InvalidRequestError(
-                f"the prompt needs {kv.blocks_for_tokens(num + 1)} KV blocks; the cache has {kv.num_blocks}"
-            )
-        if params.n > self.scheduler.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} exceeds max_num_seqs={self.scheduler.config.max_num_seqs}"
-            )
+        limits = RequestLimits(
+            self.max_model_len,
+            self.vocab_size,
+            kv.block_size,
+            kv.num_blocks,
+            self.scheduler.config.max_num_seqs,
+        )
+        check_request(prompt_token_ids, params, limits)
 
     def check_capacity(self) -> None:
         if self.scheduler.num_waiting >= self.scheduler.config.max_waiting_requests:

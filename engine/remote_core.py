@@ -33,7 +33,8 @@ from pagedinfer.engine.core.scheduler_output import StepStats
 from pagedinfer.engine.core_process import CoreInfo, _Add, _core_main
 from pagedinfer.engine.errors import EngineDeadError
 from pagedinfer.engine.outputs import RequestOutput
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.request_checks import RequestLimits, check_request
+from pagedinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class RemoteCore:
         self.info = info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self._limits = RequestLimits(
+            info.max_model_len, info.vocab_size, info.block_size, info.num_blocks, info.max_num_seqs
+        )
         self.scheduler = _SchedulerView(self)
         self._in_flight: set[str] = set()
         self._stats = info.stats
@@ -104,22 +108,7 @@ class RemoteCore:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """EngineCore.validate's checks, from the limits the core reported at startup."""
-        num, info = len(prompt_token_ids), self.info
-        if num == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if num >= info.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num} tokens; this model's context is {info.max_model_len} "
-                f"(prompt + at least one output token must fit)"
-            )
-        vocab_size = info.vocab_size
-        if vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
-        blocks = -(-(num + 1) // info.block_size)
-        if blocks > info.num_blocks:
-            raise InvalidRequestError(f"the prompt needs {blocks} KV blocks; the cache has {info.num_blocks}")
-        if params.n > info.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={info.max_num_seqs}")
+        check_request(prompt_token_ids, params, self._limits)
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0, arrival_time=None) -> None:
         if self._gone is not None:

@@ -1,0 +1,43 @@
+"""The checks a request must pass before it is queued, shared by EngineCore.validate (limits read
+from its scheduler) and RemoteCore.validate (limits the core process reported at startup)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What bounds a servable request: the engine's context, vocabulary, KV pool and batch."""
+
+    max_model_len: int
+    vocab_size: int | None  # None: token ids are not range-checked
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Raise InvalidRequestError for a request the engine can never serve."""
+    num = len(prompt_token_ids)
+    if num == 0:
+        raise InvalidRequestError("the prompt is empty")
+    if num >= limits.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {num} tokens; this model's context is {limits.max_model_len} "
+            f"(prompt + at least one output token must fit)"
+        )
+    vocab_size = limits.vocab_size
+    # min/max run in C: a long prompt costs far less than a Python-level any() over its ids.
+    if vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+        raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
+    # The prompt plus its first output token must fit in the whole pool (KVCacheManager.fits_alone).
+    num_blocks_needed = -(-(num + 1) // limits.block_size)
+    if num_blocks_needed > limits.num_blocks:
+        raise InvalidRequestError(
+            f"the prompt needs {num_blocks_needed} KV blocks; the cache has {limits.num_blocks}"
+        )
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={limits.max_num_seqs}")

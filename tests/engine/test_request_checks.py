@@ -1,0 +1,42 @@
+import pytest
+
+from pagedinfer.engine.request_checks import RequestLimits, check_request
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+# 8 blocks of 4 slots: a prompt of 31 tokens (+1 output) fills the pool exactly.
+LIMITS = RequestLimits(max_model_len=64, vocab_size=100, block_size=4, num_blocks=8, max_num_seqs=3)
+ONE = SamplingParams(n=1)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "limits", "message"),
+    [
+        ([], 1, LIMITS, "the prompt is empty"),
+        ([1] * 64, 1, LIMITS, "the prompt has 64 tokens; this model's context is 64 "),
+        ([1, -1], 1, LIMITS, r"prompt token ids must lie in \[0, 100\)"),
+        ([1, 100], 1, LIMITS, r"prompt token ids must lie in \[0, 100\)"),
+        ([1] * 32, 1, LIMITS, "the prompt needs 9 KV blocks; the cache has 8"),
+        ([1], 4, LIMITS, "n=4 exceeds max_num_seqs=3"),
+    ],
+)
+def test_each_check_raises_its_message(prompt, n, limits, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        check_request(prompt, SamplingParams(n=n), limits)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "limits"),
+    [
+        ([0, 99], 1, LIMITS),  # both ends of the vocabulary
+        ([1] * 31, 3, LIMITS),  # 31 + 1 tokens fill the 8 blocks; n at max_num_seqs
+        ([10**6], 1, RequestLimits(64, None, 4, 8, 3)),  # no vocabulary: ids unchecked
+    ],
+)
+def test_requests_at_the_limits_pass(prompt, n, limits):
+    check_request(prompt, SamplingParams(n=n), limits)
+
+
+def test_checks_run_in_order():
+    # Too long and out of the vocabulary: the context check comes first, as before.
+    with pytest.raises(InvalidRequestError, match="context"):
+        check_request([1000] * 64, ONE, LIMITS)
