@@ -28,6 +28,7 @@ from pagedinfer.kernels.decode_merge import (
     pdl_supported,
     reduce_splits,
 )
+from pagedinfer.kernels.launch_args import paged_attention_strides
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128  # hard cap (merge tiles are [SPLITS_PAD, D_PAD]); the default rule stays <= 64
@@ -374,13 +375,7 @@ def paged_decode_attention(
         part_lse,
         out if counters is None else counters,
         scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *paged_attention_strides(query, key_cache, value_cache, block_tables, out),
         head_dim,
         num_splits,
         max_context,

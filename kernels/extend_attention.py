@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pagedinfer.kernels import short_extend_attention
+from pagedinfer.kernels.launch_args import paged_attention_strides
 
 LOG2E = 1.4426950408889634
 
@@ -170,13 +171,7 @@ def paged_extend_attention(
         seq_lens,
         out,
         scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *paged_attention_strides(query, key_cache, value_cache, block_tables, out),
         head_dim,
         GROUP=num_heads // num_kv_heads,
         BLOCK_SIZE=block_size,

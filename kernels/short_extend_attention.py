@@ -30,6 +30,7 @@ from pagedinfer.kernels.decode_attention import (
     tile_block_ids,
 )
 from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported, reduce_splits
+from pagedinfer.kernels.launch_args import paged_attention_strides
 
 # Rows of one program (query tokens x group heads, padded to powers of two) up to which the short
 # path is taken: 16 tokens at group 4 (Llama-3-8B), 8 at group 8. What bounds it is the program's
@@ -203,13 +204,7 @@ def paged_short_extend_attention(
         part_out,
         part_lse,
         scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *paged_attention_strides(query, key_cache, value_cache, block_tables, out),
         head_dim,
         num_heads,
         num_splits,
