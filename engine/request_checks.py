@@ -33,7 +33,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     # min/max run in C: a long prompt costs far less than a Python-level any() over its ids.
     if vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
-    # The prompt plus its first output token must fit in the whole pool (KVCacheManager.fits_alone).
+    # The prompt plus its first output token must fit in the whole pool.
     num_blocks_needed = -(-(num + 1) // limits.block_size)
     if num_blocks_needed > limits.num_blocks:
         raise InvalidRequestError(

@@ -72,10 +72,6 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def fits_alone(self, num_tokens: int) -> bool:
-        """Whether a sequence of this many tokens could ever fit in the whole pool."""
-        return self.blocks_for_tokens(num_tokens) <= self.num_blocks
-
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / max(self.num_blocks, 1)
