@@ -202,7 +202,8 @@ def run_gpu(args) -> dict:
     # transformers' eager decode step is host-bound (~55-60 ms at batch 64 on the H200 host), so
     # a wider static batch buys it throughput (batch 256: 3.06x batch 64, 512: 3.9x;
     # bench/hf_peer_batches.py): "transformers' best" is its widest batch, not batch 64.
-    for size in args.hf_static_batches:
+    static_batches = args.hf_static_batches or ([args.hf_requests] if args.smoke else [512])
+    for size in static_batches:
         name = f"hf_static_batch_{size}"
         size_prompts = random_prompts(size, 512, 0, shape["vocab_size"], seed=1)
         peers[name] = hf_static_batch(hf, size_prompts, args.output_len)
@@ -439,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--hf-static-batches",
         type=lambda v: [int(x) for x in v.split(",")],
-        default=[512],
-        help="static batch sizes of transformers' generate peer (comma-separated; the best counts). "
+        default=None,
+        help="(default 512; --smoke: --hf-requests) static batch sizes of transformers' generate peer (comma-separated; the best counts). "
         "H200: 64 -> 986, 256 -> 3,016, 512 -> 3,847 tok/s (bench/hf_peer_batches.py)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])

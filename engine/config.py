@@ -127,7 +127,7 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20
     drain_timeout_seconds: float = 30.0
     enable_vllm_metrics: bool = True  # Gateway API Inference Extension names (vllm:*)
-    # HTTP API-server processes in front of one engine core (> 1: the core runs in its own
+    # API-server processes (HTTP and gRPC) in front of one engine core (> 1: the core runs in its own
     # process and a launcher supervises them; see server/api_servers.py).
     api_server_count: int = 1
 

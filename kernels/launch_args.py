@@ -14,7 +14,7 @@ def paged_attention_strides(
 ) -> tuple[int, ...]:
     """The 11 element strides the kernels take in this order: query (token, head), key cache
     (block, slot, KV head), value cache (block, slot, KV head), block table (row), out (token,
-    head). Head dims are contiguous , so their stride is not passed."""
+    head). Head dims are contiguous, so their stride is not passed."""
     return (
         query.stride(0),
         query.stride(1),

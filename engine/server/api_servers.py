@@ -9,8 +9,9 @@ the process `serve` started in becomes a launcher that serves nothing itself:
   over the sockets by their address hash. One socket shared by all was tried first: uvloop
   (and asyncio) accept every queued connection per wake-up, so one process took a whole burst
   (16 of 16 measured). Binding in the launcher shows a bind error once, before anything
-  starts, and connections wait in the backlog while the API servers start. (SO_REUSEPORT lets
-  other processes of the same user join the port: a container runs nothing else.);
+  starts, and connections wait in the backlog while the API servers start. A probe bind
+  without SO_REUSEPORT first makes sure nothing listens there already (a SO_REUSEPORT listener
+  of the same user, such as another launcher, would otherwise be joined silently);
 - it reserves the gRPC port (`reserve_grpc_port`: a bound SO_REUSEPORT socket that never
   listens, held until the launcher exits): a port another program holds fails there, once,
   before anything starts, and --grpc-port 0 becomes one port. Every API server's gRPC server
@@ -79,6 +80,7 @@ def bind_http_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets: list[socket.socket] = []
     try:
+        _check_port_free(family, host, port)
         for _ in range(count):
             sock = _reuseport_socket(family, host, port)
             sockets.append(sock)
@@ -101,22 +103,43 @@ def reserve_grpc_port(host: str, port: int) -> socket.socket:
     the listeners (test_api_servers checks this on the machine it runs on)."""
     try:
         if host not in ("", "0.0.0.0", "::"):
-            return _reuseport_socket(socket.AF_INET6 if ":" in host else socket.AF_INET, host, port)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            _check_port_free(family, host, port)
+            return _reuseport_socket(family, host, port, reuse_addr=False)
         # gRPC binds a wildcard host as one dual-stack [::] socket (0.0.0.0 without IPv6): so does
         # the reservation, which then fails wherever gRPC's own bind would.
         if _has_ipv6():
-            return _reuseport_socket(socket.AF_INET6, "::", port, is_dual_stack=True)
-        return _reuseport_socket(socket.AF_INET, "0.0.0.0", port)
+            _check_port_free(socket.AF_INET6, "::", port, is_dual_stack=True)
+            return _reuseport_socket(socket.AF_INET6, "::", port, is_dual_stack=True, reuse_addr=False)
+        _check_port_free(socket.AF_INET, "0.0.0.0", port)
+        return _reuseport_socket(socket.AF_INET, "0.0.0.0", port, reuse_addr=False)
     except OSError as exc:
         raise SystemExit(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
 
 
+def _check_port_free(family: socket.AddressFamily, host: str, port: int, is_dual_stack: bool = False) -> None:
+    """Raise OSError if anything listens on the port, SO_REUSEPORT listeners of this user included:
+    our own SO_REUSEPORT bind would silently join those (another launcher, any grpcio server,
+    which sets SO_REUSEPORT by default) and split the traffic with them. A socket without
+    SO_REUSEPORT cannot join them; SO_REUSEADDR lets it pass a previous run's TIME_WAIT."""
+    if port == 0:
+        return
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if is_dual_stack:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        probe.bind((host, port))
+
+
 def _reuseport_socket(
-    family: socket.AddressFamily, host: str, port: int, is_dual_stack: bool = False
+    family: socket.AddressFamily, host: str, port: int, is_dual_stack: bool = False, reuse_addr: bool = True
 ) -> socket.socket:
+    """reuse_addr False for the gRPC reservation: it never listens, and a bound non-listening
+    socket with SO_REUSEADDR lets any user's SO_REUSEADDR socket bind and listen beside it."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_addr:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if is_dual_stack:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -136,8 +159,8 @@ def _has_ipv6() -> bool:
 
 
 def api_server_engine_config(config: EngineConfig, count: int) -> EngineConfig:
-    """Each API server's share of the waiting queue: the shares never add up to more than the
-    core's limit (at least 1 each, so a tiny limit still admits)."""
+    """Each API server's share of the waiting queue: max_waiting // count, at least 1 (so a tiny
+    limit still admits; the shares then add up to count, above a limit below count)."""
     scheduler = config.scheduler
     share = max(1, scheduler.max_waiting_requests // count)
     return dataclasses.replace(config, scheduler=dataclasses.replace(scheduler, max_waiting_requests=share))
@@ -164,11 +187,12 @@ def run_api_servers(
         raise
     # --grpc-port 0: the port the reservation took, for every API server to join.
     server_config = dataclasses.replace(server_config, grpc_port=grpc_reservation.getsockname()[1])
-    signals = _SignalLatch()
-    metrics_dir = tempfile.mkdtemp(prefix="pagedinfer-metrics-")
-    os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # before spawning: the children inherit it
+    signals, metrics_dir = None, None
     ctx = multiprocessing.get_context("spawn")
     try:
+        signals = _SignalLatch()
+        metrics_dir = tempfile.mkdtemp(prefix="pagedinfer-metrics-")
+        os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # before spawning: the children inherit it
         pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
         core = start_shared_core(engine_config, [core_end for _, core_end in pipes])
         servers = []
@@ -199,10 +223,14 @@ def run_api_servers(
             core.join(5)
         return code
     finally:
-        signals.restore()
+        if signals is not None:
+            signals.restore()
         grpc_reservation.close()
+        for sock in sockets:
+            sock.close()  # (a no-op for those already handed over and closed)
         os.environ.pop(MULTIPROC_DIR_ENV, None)
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 class _SignalLatch:

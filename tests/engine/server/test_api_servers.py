@@ -25,7 +25,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedinfer.engine.server.api_servers import reserve_grpc_port
+from pagedinfer.engine.server.api_servers import bind_http_sockets, reserve_grpc_port
 from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
 from pagedinfer.engine.server.proto_gen import inference_pb2_grpc as pb_grpc
 
@@ -213,10 +213,13 @@ def test_the_grpc_port_reservation_takes_no_connections_and_fails_on_a_held_port
                     listener.accept()[0].close()
                     accepted[i] += 1
         assert min(accepted) > 0, accepted
-        with socket.socket() as other, pytest.raises(OSError):  # no SO_REUSEPORT: kept out
-            other.bind(("127.0.0.1", port))
         for sock in clients + listeners:
             sock.close()
+        for reuse_addr in (0, 1):  # with the reservation alone: a socket without SO_REUSEPORT is kept out
+            with socket.socket() as other, pytest.raises(OSError):
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, reuse_addr)
+                other.bind(("127.0.0.1", port))
+                other.listen()
     with reserve_grpc_port("0.0.0.0", 0) as wildcard, socket.socket() as other, pytest.raises(OSError):
         other.bind(("0.0.0.0", wildcard.getsockname()[1]))  # gRPC's dual-stack [::] bind: IPv4 kept out
     with socket.socket() as held:
@@ -224,6 +227,23 @@ def test_the_grpc_port_reservation_takes_no_connections_and_fails_on_a_held_port
         held.listen()
         with pytest.raises(SystemExit, match="cannot bind gRPC to 127.0.0.1"):
             reserve_grpc_port("127.0.0.1", held.getsockname()[1])
+
+
+def test_a_port_with_a_reuseport_listener_of_this_user_is_refused_not_joined() -> None:
+    """Another launcher or any grpcio server (SO_REUSEPORT by default) on the port: our own
+    SO_REUSEPORT binds would join it and split its traffic; the launcher refuses instead."""
+    with _reuseport_listener(0) as other:
+        port = other.getsockname()[1]
+        with pytest.raises(SystemExit, match="cannot bind gRPC to 127.0.0.1"):
+            reserve_grpc_port("127.0.0.1", port)
+        with pytest.raises(SystemExit, match="cannot bind HTTP to 127.0.0.1"):
+            bind_http_sockets("127.0.0.1", port, 2)
+    with reserve_grpc_port("127.0.0.1", port) as reservation:  # free again: taken
+        assert reservation.getsockname()[1] == port
+    sockets = bind_http_sockets("127.0.0.1", port, 2)
+    assert [sock.getsockname()[1] for sock in sockets] == [port, port]
+    for sock in sockets:
+        sock.close()
 
 
 def _reuseport_listener(port: int) -> socket.socket:
