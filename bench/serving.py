@@ -473,10 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated N values")
-    p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions per N (median tok/s)")
+    # Defaults: one burst of N requests of 64 tokens, 5 rounds (as run_gpu.sh's burst). A CPU step
+    # is 70-150 ms: with 16-token closed-loop requests, one request reaching the engine just
+    # after a step began cost ~6% of its time, and the ratio measured that alignment and noise
+    # (0.84-1.10 over runs of one config, bench/NOTES.md, CPU serving 2026-12-04).
+    p.add_argument("--requests-per-client", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved repetitions per N (median tok/s)")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--protocols", default="grpc,http")
     p.add_argument(
