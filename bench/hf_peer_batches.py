@@ -30,18 +30,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     hf = throughput.build_hf_model(throughput.LLAMA3_8B, "cuda")
     vocab = throughput.LLAMA3_8B["vocab_size"]
-    rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = throughput.random_prompts(batch, 512, 0, vocab, seed=1)
-        try:
-            row = throughput.hf_static_batch(hf, prompts, args.output_len)
-        except torch.OutOfMemoryError as exc:
-            row = {"requests": batch, "error": f"out of memory: {exc}"}
-        torch.cuda.empty_cache()
-        rows.append(row)
-        print(
-            f"static batch {batch:4d}: {row.get('output_tok_s', float('nan')):8.1f} output tok/s", flush=True
-        )
+    sizes = [int(b) for b in args.batches.split(",")]
+    rows = list(throughput.hf_static_sweep(hf, sizes, vocab, args.output_len).values())
     ok = [r for r in rows if "output_tok_s" in r]
     best = max(ok, key=lambda r: r["output_tok_s"]) if ok else None
     base = next((r for r in ok if r["requests"] == 64), None)

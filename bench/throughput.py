@@ -156,6 +156,23 @@ def hf_static_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict:
     }
 
 
+def hf_static_sweep(hf, sizes: list[int], vocab: int, max_new_tokens: int) -> dict[str, dict]:
+    """transformers' static batch at each size, {"hf_static_batch_<size>": row}, on prompts of
+    512 random ids; a size that runs out of device memory gets an error row, the next still run."""
+    peers = {}
+    for size in sizes:
+        prompts = random_prompts(size, 512, 0, vocab, seed=1)
+        try:
+            row = hf_static_batch(hf, prompts, max_new_tokens)
+        except torch.OutOfMemoryError as exc:
+            row = {"requests": size, "error": f"out of memory: {exc}"}
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        peers[f"hf_static_batch_{size}"] = row
+        print(f"transformers static batch {size}:", row, flush=True)
+    return peers
+
+
 def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> dict:
     if not hasattr(hf, "generate_batch"):
         return {"error": "this transformers has no generate_batch"}
@@ -203,13 +220,7 @@ def run_gpu(args) -> dict:
     # a wider static batch buys it throughput (batch 256: 3.06x batch 64, 512: 3.9x;
     # bench/hf_peer_batches.py): "transformers' best" is its widest batch, not batch 64.
     static_batches = args.hf_static_batches or ([args.hf_requests] if args.smoke else [512])
-    for size in static_batches:
-        name = f"hf_static_batch_{size}"
-        size_prompts = random_prompts(size, 512, 0, shape["vocab_size"], seed=1)
-        peers[name] = hf_static_batch(hf, size_prompts, args.output_len)
-        print(f"transformers static batch {size}:", peers[name])
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    peers.update(hf_static_sweep(hf, static_batches, shape["vocab_size"], args.output_len))
     peers["hf_generate_batch"] = hf_generate_batch(hf, hf_prompts, args.output_len)
     print("transformers generate_batch:", peers["hf_generate_batch"])
     model = our_model_from_hf(hf, shape, device)
