@@ -116,6 +116,10 @@ class EngineConfig:
         return self.model
 
 
+# How `pagedinfer serve` logs (the launcher, each server process and the CLI alike).
+SERVER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"

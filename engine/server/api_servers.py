@@ -57,11 +57,10 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from pagedinfer.engine.config import EngineConfig, ServerConfig
+from pagedinfer.engine.config import SERVER_LOG_FORMAT, EngineConfig, ServerConfig
 
 logger = logging.getLogger("pagedinfer.server")
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ def run_api_servers(
     """The launcher: start the core and the API servers, forward signals, reap; the exit code."""
     from pagedinfer.engine.shared_core import start_shared_core
 
-    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
+    logging.basicConfig(level=logging.INFO, format=SERVER_LOG_FORMAT)
     count = server_config.api_server_count
     assert count > 1, "one API server runs without a launcher (serve.run_server)"
     sockets = bind_http_sockets(server_config.host, server_config.http_port, count)
@@ -286,7 +285,7 @@ def api_server_main(
 ) -> None:
     """Entry point of a spawned API server: one `ServerProcess` on the launcher's socket."""
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[{spec.index}]: %(message)s"
+        level=logging.INFO, format=SERVER_LOG_FORMAT.replace("%(name)s", f"%(name)s[{spec.index}]")
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher forwards it
     if spec.switch_interval_s is not None:

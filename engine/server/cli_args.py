@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from pagedinfer.engine.config import (
     DEFAULT_MODEL_URI,
+    SERVER_LOG_FORMAT,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -21,7 +22,6 @@ from pagedinfer.engine.server.cpu_budget import CpuBudget, auto_api_server_count
 
 logger = logging.getLogger("pagedinfer.server")
 AUTO = "auto"
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -226,7 +226,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
     from pagedinfer.engine.server.engine_handle import default_loader, engine_process_loader
     from pagedinfer.engine.server.serve import run_server  # heavy imports only when serving
 
-    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)  # before auto's line is logged
+    logging.basicConfig(level=logging.INFO, format=SERVER_LOG_FORMAT)  # before auto's line is logged
     # Resolved once: every later reader (server config, launcher) sees the int.
     args = argparse.Namespace(**{**vars(args), "api_server_count": resolve_api_server_count(args)})
     apply_process_settings(args)

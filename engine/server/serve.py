@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from pagedinfer.engine.config import EngineConfig, ServerConfig
+from pagedinfer.engine.config import SERVER_LOG_FORMAT, EngineConfig, ServerConfig
 from pagedinfer.engine.metrics import ServingMetrics
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.engine_handle import EngineHandle, EngineLoader, default_loader
@@ -173,7 +173,7 @@ def run_server(
     loader: EngineLoader = default_loader,
     loop: str = "auto",
 ) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=SERVER_LOG_FORMAT)
     loop_factory = event_loop_factory(loop)
 
     async def main() -> int:  # the gRPC server and events bind to the loop the runner makes
