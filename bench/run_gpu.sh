@@ -65,7 +65,8 @@ step versions "$PY" -c "import torch, triton, pagedinfer.kernels; print(torch.__
 # core; with pytest-xdist (carried in .whl/) several workers compile side by side and share
 # Triton's on-disk cache (kernel tests 95 -> 41 s with 4 workers, 2026-12-04).
 XDIST=()
-"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${GPU_TEST_WORKERS:-8}")
+XDIST_ENGINE=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${GPU_TEST_WORKERS:-8}") && XDIST_ENGINE=(-n "${GPU_ENGINE_TEST_WORKERS:-4}")
 # The fused elementwise kernels first: if they fail on this Triton, the engine runs the reference
 # (pre-fusion) ops for the rest of the run, and the summary says so.
 step test_fused_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m gpu tests/kernels/test_fused_gpu.py
@@ -80,7 +81,8 @@ step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m gp
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
 # speculative verification's attention: the short-chunk kernel vs the tiled extend kernel vs decode
 step bench_verify_attention "$PY" bench/verify_attention.py --out "$OUTDIR"
-step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/models
+# 8 tests, 32 s in one process (2026-12-04 17:20 UTC): 4 workers take them two at a time each
+step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST_ENGINE[@]}" -m gpu tests/engine/test_engine_gpu.py tests/engine/models
 # small-batch linear layers: torch's GEMM vs kernels/gemv.py per 8B layer shape and the step's chain
 step bench_gemv "$PY" bench/gemv.py --out "$OUTDIR" --rows 1,4 --rep-ms 25
 # the one-row RMSNorm folded into the next GEMV vs a norm kernel + the GEMV (pairs and the 32-layer chain)

@@ -220,9 +220,10 @@ def run_gpu(args) -> dict:
     # a wider static batch buys it throughput (batch 256: 3.06x batch 64, 512: 3.9x;
     # bench/hf_peer_batches.py): "transformers' best" is its widest batch, not batch 64.
     static_batches = args.hf_static_batches or ([args.hf_requests] if args.smoke else [512])
-    peers.update(hf_static_sweep(hf, static_batches, shape["vocab_size"], args.output_len))
-    peers["hf_generate_batch"] = hf_generate_batch(hf, hf_prompts, args.output_len)
-    print("transformers generate_batch:", peers["hf_generate_batch"])
+    if not args.floors_only:
+        peers.update(hf_static_sweep(hf, static_batches, shape["vocab_size"], args.output_len))
+        peers["hf_generate_batch"] = hf_generate_batch(hf, hf_prompts, args.output_len)
+        print("transformers generate_batch:", peers["hf_generate_batch"])
     model = our_model_from_hf(hf, shape, device)
     del hf
     if device == "cuda":
@@ -238,14 +239,14 @@ def run_gpu(args) -> dict:
     greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(args.num_requests, 512, 64, shape["vocab_size"])
     run_engine_requests(core, prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    offline = run_engine_requests(core, prompts, greedy)
-    print(f"offline: {offline.summary()}")
+    offline = None if args.floors_only else run_engine_requests(core, prompts, greedy)
+    print(f"offline: {offline.summary() if offline else 'skipped (--floors-only)'}")
     curve = []
-    for conc in args.concurrency:
+    for conc in [] if args.floors_only else args.concurrency:
         r = run_engine_requests(core, random_prompts(conc, 512, 0, shape["vocab_size"], seed=conc), greedy)
         curve.append({"concurrency": conc, **r.summary()})
         print(f"concurrency {conc}: {r.output_tok_s:.0f} tok/s")
-    single = curve[0] if args.concurrency[0] == 1 else None
+    single = curve[0] if curve and args.concurrency[0] == 1 else None
     batch = max(args.concurrency)
     before = allocator_counters()
     batch_run = run_engine_requests(
@@ -300,17 +301,17 @@ def run_gpu(args) -> dict:
         "num_kv_blocks": core.scheduler.kv.num_blocks,
         "async_scheduling": core.async_scheduling,
         "num_lookahead_steps": core.num_lookahead_steps,
-        "offline": offline.summary(),
+        "offline": offline.summary() if offline else None,
         "concurrency_curve": curve,
         "single_stream_curve_point": single,
         "decode_vs_floor": floors,
         "peers": peers,
         "best_transformers_peer": best_name,
-        "ratio_vs_best_transformers": offline.output_tok_s / best_hf if best_hf else None,
+        "ratio_vs_best_transformers": offline.output_tok_s / best_hf if best_hf and offline else None,
         "ratio_vs_each_peer": {
             name: offline.output_tok_s / p["output_tok_s"]
             for name, p in peers.items()
-            if p.get("output_tok_s")
+            if p.get("output_tok_s") and offline
         },
     }
 
@@ -457,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     p.add_argument("--smoke", action="store_true", help="the GPU code path on a tiny CPU model")
+    p.add_argument(
+        "--floors-only",
+        action="store_true",
+        help="only the decode steps vs their floors (batch max(--concurrency) and 1): no peers, no "
+        "offline run, no curve; for quick A/B runs (no plot)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both peers)")
     args = p.parse_args(argv)
     if args.threads:
@@ -467,8 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "throughput_cpu" if args.cpu else "throughput_smoke" if args.smoke else "throughput_gpu"
+    name += "_floors" if args.floors_only else ""
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot_results(result, out / f"{name}.png")
+    if not args.floors_only:
+        plot_results(result, out / f"{name}.png")
     summary = json.dumps({k: v for k, v in result.items() if k not in ("shape",)}, indent=1)
     (out / f"{name}_summary.txt").write_text(summary)
     print(summary)

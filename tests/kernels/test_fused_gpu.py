@@ -53,3 +53,55 @@ def test_rotary_is_exact_in_fp32(case):
     # pre-fusion torch code: the rotation is bit-exact, not merely close.
     result = run_case(case, torch.float32, "cuda", backend="triton")
     assert result.err_ulp == 0.0 and result.caches_equal, result
+
+
+def _gemm_chain(x, residual, w_norm, w_qkv, w_gate_up, cos, sin, kc, vc, slots):
+    """GEMM -> rotary + cache write, GEMM -> add + RMSNorm, GEMM -> SiLU * up: each elementwise
+    kernel right behind the GEMM that produces its input, as in a decoder layer."""
+    from pagedinfer.kernels import fused_ops
+
+    q = fused_ops.rotary_cache_write(x @ w_qkv, cos, sin, kc, vc, slots, backend="triton")
+    normed, hidden = fused_ops.add_rms_norm(
+        q.flatten(1) @ w_qkv[:, :4096].T, residual, w_norm, 1e-5, "triton"
+    )
+    return q, hidden, fused_ops.silu_mul(normed @ w_gate_up, backend="triton")
+
+
+def test_elementwise_pdl_in_a_graph_matches_stream_order(monkeypatch):
+    # The PDL launch path (launch_pdl + gdc_wait, captured as programmatic graph edges) must give
+    # the bits of plain stream order, replay after replay.
+    from pagedinfer.kernels import decode_merge
+
+    if not decode_merge.pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    rows, kvh, d, num_blocks = 256, 8, 128, 64
+    x = torch.randn(rows, 4096, generator=g, **bf)
+    residual = torch.randn(rows, 4096, generator=g, **bf)
+    w_norm = 1 + 0.1 * torch.randn(4096, generator=g, **bf)
+    w_qkv = torch.randn(4096, 6144, generator=g, **bf) / 64
+    w_gate_up = torch.randn(4096, 2 * 14336, generator=g, **bf) / 64
+    angles = torch.rand(rows, d // 2, generator=g, device="cuda") * 6.0
+    slots = torch.randperm(num_blocks * 16, generator=g, device="cuda")[:rows]
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(decode_merge, "ELEMENTWISE_PDL_ENABLED", pdl)
+        kc = torch.zeros(num_blocks, 16, kvh, d, **bf)
+        vc = torch.zeros_like(kc)
+        args = (x, residual, w_norm, w_qkv, w_gate_up, angles.cos(), angles.sin(), kc, vc, slots)
+        _gemm_chain(*args)  # compile outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            outs = _gemm_chain(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(20):
+            kc.zero_()
+            vc.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+        results[pdl] = [t.clone() for t in (*outs, kc, vc)]
+    for plain, pdl in zip(results[False], results[True], strict=True):
+        assert torch.equal(plain, pdl)
