@@ -39,6 +39,18 @@ step() {  # step NAME COMMAND... : log to OUTDIR/NAME.log, time it, record the s
   return 0
 }
 
+# PROBES="a b ..." (or "all") adds diagnostic probes: measurements that explain a benchmark's
+# numbers (profiles, GEMM paths, peer sweeps) but are not themselves an issue's benchmark; they
+# stay out of the default run to keep it under 9 minutes. A probe named in STEPS runs as well.
+PROBES=${PROBES:-}
+probe() {  # probe NAME COMMAND... : a step that runs only when named in PROBES or STEPS
+  local name=$1
+  if [[ " $PROBES " != *" all "* && " $PROBES " != *" $name "* && " $STEPS " != *" $name "* ]]; then
+    return 0
+  fi
+  STEPS="" step "$@"
+}
+
 install_wheels() {  # carried wheels (if any) into a private site dir on PYTHONPATH
   mkdir -p /tmp/pagedinfer-site
   if compgen -G ".whl/*.whl" >/dev/null; then
@@ -65,8 +77,7 @@ step versions "$PY" -c "import torch, triton, pagedinfer.kernels; print(torch.__
 # core; with pytest-xdist (carried in .whl/) several workers compile side by side and share
 # Triton's on-disk cache (kernel tests 95 -> 41 s with 4 workers, 2026-12-04).
 XDIST=()
-XDIST_ENGINE=()
-"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${GPU_TEST_WORKERS:-8}") && XDIST_ENGINE=(-n "${GPU_ENGINE_TEST_WORKERS:-4}")
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${GPU_TEST_WORKERS:-8}")
 # The fused elementwise kernels first: if they fail on this Triton, the engine runs the reference
 # (pre-fusion) ops for the rest of the run, and the summary says so.
 step test_fused_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m gpu tests/kernels/test_fused_gpu.py
@@ -81,16 +92,20 @@ step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m gp
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
 # speculative verification's attention: the short-chunk kernel vs the tiled extend kernel vs decode
 step bench_verify_attention "$PY" bench/verify_attention.py --out "$OUTDIR"
-# 8 tests, 32 s in one process (2026-12-04 17:20 UTC): 4 workers take them two at a time each
-step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST_ENGINE[@]}" -m gpu tests/engine/test_engine_gpu.py tests/engine/models
+step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/models
 # small-batch linear layers: torch's GEMM vs kernels/gemv.py per 8B layer shape and the step's chain
 step bench_gemv "$PY" bench/gemv.py --out "$OUTDIR" --rows 1,4 --rep-ms 25
 # the one-row RMSNorm folded into the next GEMV vs a norm kernel + the GEMV (pairs and the 32-layer chain)
 step bench_norm_gemv "$PY" bench/norm_gemv.py --out "$OUTDIR" --rep-ms 25
 # one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
 step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
-# where a decode step's time goes: kernel time vs wall time per step (torch.profiler, 8B shape)
-step profile_decode "$PY" bench/profile_decode.py --out "$OUTDIR" --batches 1,256
+# Probes (PROBES=all, ~+2.5 min): where a decode step's time goes (torch.profiler kernel time vs
+# wall time per step, 8B shape; ~22 s), the batch-256 step's GEMMs under cuBLAS / cuBLASLt /
+# TunableOp (~40 s), transformers' static batch at 64/256/512 (~90 s), a verification step's kernels.
+probe profile_decode "$PY" bench/profile_decode.py --out "$OUTDIR" --batches 1,256
+probe gemm_batch "$PY" bench/gemm_batch.py --out "$OUTDIR"
+probe hf_peer_batches "$PY" bench/hf_peer_batches.py --out "$OUTDIR"
+probe profile_spec "$PY" -P bench/profile_spec.py --out "$OUTDIR" --model "${SPEC_MODEL:-builtin://smollm2-135m}"
 # transformers' peers: static batch 512 (its best measured) and generate_batch over 32 requests
 # (far below the static batch at any size; 32 instead of 64 keeps the run under 9 minutes)
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR" --hf-requests 32 --concurrency 1 8 128 256

@@ -16,7 +16,6 @@ run the merge (SplitMerge):
 from __future__ import annotations
 
 import enum
-import os
 
 import torch
 import triton
@@ -45,18 +44,6 @@ def pdl_supported(device: torch.device) -> bool:
     if gdc_wait is None or device.type != "cuda" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-# A/B switch for benchmarks: PAGEDINFER_PDL_ELEMENTWISE=0 launches the decoder layer's elementwise
-# kernels (RMSNorm, rotary + cache write, SiLU * up) in plain stream order.
-ELEMENTWISE_PDL_ENABLED = os.environ.get("PAGEDINFER_PDL_ELEMENTWISE", "1") != "0"
-
-
-def elementwise_pdl(device: torch.device) -> bool:
-    """Launch an elementwise kernel as a programmatic dependent of the GEMM before it: its
-    programs are scheduled while the GEMM's last tiles drain and wait in-kernel (gdc_wait) before
-    touching memory, so the launch latency leaves the step's dependent chain."""
-    return ELEMENTWISE_PDL_ENABLED and pdl_supported(device)
 
 
 class CounterPool:

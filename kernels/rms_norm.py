@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedinfer.kernels.decode_merge import elementwise_pdl, gdc_wait
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -29,10 +27,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait before any memory access
 ):
-    if WAIT_PRIOR:
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,7 +49,6 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
     num_rows, n_cols = x.shape
     block = triton.next_power_of_2(n_cols)
     has_residual = residual is not None
-    pdl = elementwise_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](
         x,
         residual if has_residual else x,
@@ -69,10 +63,8 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
         float(eps),
         HAS_RESIDUAL=has_residual,
         BLOCK=block,
-        WAIT_PRIOR=pdl,
         num_warps=min(16, max(1, block // 512)),
         enable_fp_fusion=False,  # round each product like the torch ops do
-        **({"launch_pdl": True} if pdl else {}),
     )
 
 

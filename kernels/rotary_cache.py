@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedinfer.kernels.decode_merge import elementwise_pdl, gdc_launch_dependents, gdc_wait, pdl_supported
+from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported
 
 HEADS = 8  # heads per program: Llama-3-8B's 48 heads -> 6 programs per token
 
@@ -44,12 +44,9 @@ def _rotary_cache_kernel(
     HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
-    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent of the qkv GEMM
 ):
     if LAUNCH_DEPENDENTS:  # a PDL decode (pdl_prologue) may start; it waits before reading q / new K/V
         gdc_launch_dependents()
-    if WAIT_PRIOR:  # the qkv GEMM's output is complete and visible past this point
-        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     d = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
@@ -96,7 +93,6 @@ def rotary_cache_write(
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     grid = (num_tokens, triton.cdiv(num_heads + 2 * num_kv_heads, HEADS))
-    pdl = elementwise_pdl(qkv.device)
     _rotary_cache_kernel[grid](
         qkv,
         cos,
@@ -119,9 +115,7 @@ def rotary_cache_write(
         HEADS=HEADS,
         BLOCK_SIZE=key_cache.shape[1],
         LAUNCH_DEPENDENTS=pdl_supported(qkv.device),
-        WAIT_PRIOR=pdl,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA: x1 c - x2 s rounds like the separate torch ops
-        **({"launch_pdl": True} if pdl else {}),
     )
     return q

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedinfer.kernels.decode_merge import elementwise_pdl, gdc_wait
-
 BLOCK = 1024  # columns per program: 2 KiB of bf16 per operand
 
 
@@ -23,10 +21,7 @@ def _silu_mul_kernel(
     stride_out,
     inter,
     BLOCK: tl.constexpr,
-    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait before any memory access
 ):
-    if WAIT_PRIOR:
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -43,7 +38,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     grid = (num_rows, triton.cdiv(inter, BLOCK))
-    pdl = elementwise_pdl(gate_up.device)
     _silu_mul_kernel[grid](
         gate_up,
         out,
@@ -51,9 +45,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         inter,
         BLOCK=BLOCK,
-        WAIT_PRIOR=pdl,
         num_warps=4,
         enable_fp_fusion=False,
-        **({"launch_pdl": True} if pdl else {}),
     )
     return out
