@@ -1,7 +1,7 @@
 """Small-grid decode (issue 3): the v4 kernel against the current one and its knobs, interleaved.
 
     python bench/decode_tune_b1.py --out DIR [--shapes 1x8192,1x2048w8192,...] [--rounds 3]
-        [--set v5|pdl|bound]
+        [--set v5|pdl|bound|prefetch]
 
 A shape is BATCHxCONTEXT, or BATCHxCONTEXTwCAPACITY for a block table wider than the context
 (as in the engine, whose tables are sized for the longest context). Every variant is timed like
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention as bench  # noqa: E402  (bench/ is not a package)
 import attention_cases as cases  # noqa: E402
 
+from pagedinfer.kernels import decode_attention as da  # noqa: E402
 from pagedinfer.kernels import fused_ops  # noqa: E402
 from pagedinfer.kernels.decode_attention import DecodeConfig, SplitMerge, default_config  # noqa: E402
 
@@ -70,7 +71,36 @@ BOUND_VARIANTS = {
     "b 32/2/3": DecodeConfig(32, 2, 3, min_split_tokens=32, **BOUNDED),
     "b 64/4/3 kernel": DecodeConfig(64, 4, 3, SplitMerge.KERNEL, **BOUNDED),
 }
-ROTARY_VARIANTS = ("v5 small", "v5 small +pdl")  # also timed after the rotary + cache-write kernel
+ROTARY_VARIANTS = ("v5 small", "v5 small +pdl")
+
+
+def _launcher_config(x: dict, told: bool):
+    """The config ops.paged_decode_attention picks for this input: told the context (the eager
+    step, the benchmark's triton column) or from the table's width (the CUDA-graph step)."""
+    programs = x["query"].shape[0] * x["key_cache"].shape[2]
+    width = x["block_tables"].shape[1] * x["key_cache"].shape[1]
+    bound = min(width, x["context"]) if told else width
+    device = x["query"].device
+    return (da.bounded_config(128, device, programs, bound) if told else None) or da.default_config(
+        128, device, programs, bound
+    )
+
+
+def _prefetch_variants(batch: int) -> dict:
+    """--set prefetch: the launcher's own configs, told and table-only, with and without
+    DecodeConfig.prefetch_ids (any batch: the large grids walk many tiles a program too)."""
+    out: dict = {}
+    for told in (True, False):
+        for prefetch in (False, True):
+            label = ("told" if told else "table") + (" +prefetch" if prefetch else "")
+
+            def factory(x, told=told, prefetch=prefetch):
+                config = replace(_launcher_config(x, told), prefetch_ids=prefetch)
+                bound = {"max_context_len": x["context"]} if told else {}
+                return lambda: cases.triton_decode(*_args(x), config=config, **bound)
+
+            out[label] = factory
+    return out  # also timed after the rotary + cache-write kernel
 
 
 def _v4_module():
@@ -155,7 +185,13 @@ def run_shape(shape: str, rounds: int, rep_ms: int, log, variant_set: str = "v5"
     kv_bytes = cases.decode_kv_bytes(batch, capacity)
     sets = [_inputs(batch, context, capacity) for _ in range(min(64, -(-bench.ROTATE_BYTES // kv_bytes)))]
     ref = cases.ours_decode(sets[0])()
-    variants = {"v5": _variants, "pdl": _pdl_variants, "bound": _bound_variants}[variant_set](batch)
+    sets_of = {
+        "v5": _variants,
+        "pdl": _pdl_variants,
+        "bound": _bound_variants,
+        "prefetch": _prefetch_variants,
+    }
+    variants = sets_of[variant_set](batch)
     rows = []
     for r in range(rounds):
         for label, factory in variants.items():
@@ -195,9 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument(
         "--set",
-        choices=("v5", "pdl", "bound"),
+        choices=("v5", "pdl", "bound", "prefetch"),
         default="v5",
-        help="variants: v5 tiles, the PDL prologue, or configs told the context length",
+        help="variants: v5 tiles, the PDL prologue, configs told the context length, or the "
+        "launcher's configs with and without prefetch_ids",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -12,7 +12,8 @@ it (see there for what it may read before gdc_wait).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -34,6 +35,9 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 128  # hard cap (merge tiles are [SPLITS_PAD, D_PAD]); the default rule stays <= 64
 DEFAULT_MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
+# A/B switch while DecodeConfig.prefetch_ids is measured: PAGEDINFER_DECODE_PREFETCH_IDS=1 turns it
+# on in every config the launcher picks on CUDA.
+PREFETCH_IDS_DEFAULT = os.environ.get("PAGEDINFER_DECODE_PREFETCH_IDS", "0") == "1"
 SMALL_GRID = 16  # fewer (sequence, KV head) programs than this: latency-bound (batch 1 at 8 KV heads)
 SMALL_GRID_MIN_CONTEXT = 2048  # block-table capacity from which the small-grid config pays (v5)
 
@@ -74,6 +78,10 @@ class DecodeConfig:
     # engine's rotary + cache write does; all else it reads must be older. Elsewhere (CPU
     # interpreter, pre-Hopper) the same peeled first tile runs without the wait, in stream order.
     pdl_prologue: bool = False
+    # Load the next tile's block ids while the current tile's K/V are in flight (one tile ahead,
+    # BLOCK_N ids in registers), so each tile after the first costs one dependent DRAM round
+    # trip (K/V) instead of two (block ids, then K/V).
+    prefetch_ids: bool = False
 
 
 @triton.jit
@@ -144,6 +152,7 @@ def _decode_kernel(
     Q_IN_LOOP: tl.constexpr,
     PDL_PROLOGUE: tl.constexpr,
     GDC_WAIT: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge kernel may be scheduled now; it waits for our results
@@ -195,11 +204,17 @@ def _decode_kernel(
         p, alpha, m_i, l_i = _softmax_step(q, k, pos < end, m_i, l_i, qk_scale, True)  # may be empty
         acc = tl.dot(p.to(v.dtype), v).to(tl.float32)
         loop_start = start + BLOCK_N
+    if PREFETCH_IDS:
+        ids_next = tile_block_ids(table_row, loop_start + tl.arange(0, BLOCK_N), stop, BLOCK_SIZE)
     for n0 in range(loop_start, stop, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         if Q_IN_LOOP and not PDL_PROLOGUE:  # in the loop (not hoisted): pipelined with K/V
             q = tl.load(q_ptrs, mask=q_mask & (g * 0 + n0 < stop)[:, None], other=0.0)
-        ids = tile_block_ids(table_row, pos, stop, BLOCK_SIZE)
+        if PREFETCH_IDS:  # this tile's ids came one iteration early; fetch the next tile's now
+            ids = ids_next
+            ids_next = tile_block_ids(table_row, pos + BLOCK_N, stop, BLOCK_SIZE)
+        else:
+            ids = tile_block_ids(table_row, pos, stop, BLOCK_SIZE)
         k = load_kv_tile(k_base, ids, pos, pos < end, d, d_mask, stride_kb, stride_ks, BLOCK_SIZE)
         p, alpha, m_i, l_i = _softmax_step(q, k, pos < end, m_i, l_i, qk_scale, CAPACITY_SPLITS)
         v = load_kv_tile(v_base, ids, pos, pos < end, d, d_mask, stride_vb, stride_vs, BLOCK_SIZE)
@@ -333,10 +348,13 @@ def paged_decode_attention(
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
+    chosen = config is None
     if max_context_len is not None and max_context > 0:  # a table with no columns reads nothing
         max_context = min(max_context, max_context_len)
         config = config or bounded_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
     config = config or default_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
+    if chosen and PREFETCH_IDS_DEFAULT and query.device.type == "cuda":
+        config = replace(config, prefetch_ids=True)
     if num_splits is None:
         num_splits = default_num_splits(
             num_seqs, num_kv_heads, max_context, query.device, config.min_split_tokens
@@ -393,6 +411,7 @@ def paged_decode_attention(
         CAPACITY_SPLITS=config.capacity_splits,
         Q_IN_LOOP=config.q_in_loop,
         PDL_PROLOGUE=config.pdl_prologue,
+        PREFETCH_IDS=config.prefetch_ids,
         GDC_WAIT=gdc,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

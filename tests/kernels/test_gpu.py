@@ -148,13 +148,14 @@ def test_short_extend_under_graph_replay():
     assert max(errors) <= TOLERANCE[torch.bfloat16], errors
 
 
+@pytest.mark.parametrize("prefetch_ids", [False, True], ids=["ids_in_loop", "prefetch"])
 @pytest.mark.parametrize("capacity_splits", [True, False], ids=["capacity", "context"])
 @pytest.mark.parametrize("block_n", [32, 64])
 @pytest.mark.parametrize("merge", ["pdl", "fused", "kernel"])
-def test_small_grid_config_with_wide_tables(block_n, merge, capacity_splits):
+def test_small_grid_config_with_wide_tables(block_n, merge, capacity_splits, prefetch_ids):
     """The small-grid config (query loaded in the loop; splits placed by the table's capacity or by
-    each context) at batch 1 and 2, contexts far shorter than the table (empty splits with
-    capacity splits), default and odd split counts."""
+    each context; block ids loaded one tile early or not) at batch 1 and 2, contexts far shorter
+    than the table (empty splits with capacity splits), default and odd split counts."""
     from pagedinfer.kernels import decode_attention as da
 
     gen = torch.Generator().manual_seed(block_n)
@@ -168,6 +169,7 @@ def test_small_grid_config_with_wide_tables(block_n, merge, capacity_splits):
         capacity_splits=capacity_splits,
         q_in_loop=True,
         min_split_tokens=32,
+        prefetch_ids=prefetch_ids,
     )
     for lens, num_splits in (
         ([8192], None),
@@ -186,6 +188,30 @@ def test_small_grid_config_with_wide_tables(block_n, merge, capacity_splits):
         )
         rel = float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
         assert rel <= TOLERANCE[torch.bfloat16], (lens, num_splits, rel)
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_prefetch_ids_on_large_grids(block_n):
+    """prefetch_ids where programs stream whole contexts (no splits, many tiles each): batch 64
+    and 256 with ragged contexts (0, one token, block edges, 2048) in shuffled blocks."""
+    from pagedinfer.kernels import decode_attention as da
+
+    gen = torch.Generator().manual_seed(11 + block_n)
+    for batch in (64, 256):
+        lens = torch.randint(1, 2049, (batch,), generator=gen)
+        lens[:5] = torch.tensor([0, 1, 16, 17, 2048])
+        tables, num_blocks = make_block_tables(lens.tolist(), 16, 0, gen)
+        cache_shape = (num_blocks, 16, 8, 128)
+        kc, vc = (torch.randn(cache_shape, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+        query = torch.randn(batch, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+        context_lens, tables = lens.to("cuda", torch.int32), tables.cuda()
+        config = da.DecodeConfig(block_n, prefetch_ids=True)
+        out = da.paged_decode_attention(query, kc, vc, tables, context_lens, 128**-0.5, 1, config)
+        ref = reference.paged_decode_attention(
+            query.double(), kc.double(), vc.double(), tables, context_lens, 128**-0.5
+        )
+        rel = float((out.double() - ref).norm() / ref.norm())
+        assert rel <= TOLERANCE[torch.bfloat16], (batch, block_n, rel)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -37,7 +37,8 @@ _C = AttentionCase
 # splits and tiles past a context are empty): split token counts that are not a multiple of the
 # tile, one-tile splits, empty sequences, tiles spanning several blocks or inside one, shared
 # prefixes; and the same with pdl_prologue (first tile peeled, the newest token's K/V loaded
-# apart; no gdc_wait in the interpreter). Entries: (case, block_n, capacity_splits, pdl_prologue).
+# apart; no gdc_wait in the interpreter), and with prefetch_ids (the next tile's block ids loaded
+# one iteration early). Entries: (case, block_n, capacity_splits, pdl_prologue[, prefetch_ids]).
 SMALL_GRID_CASES = (
     (_C("small_split1", "decode", (1, 15, 16, 17, 33, 70), num_heads=9, num_kv_heads=3, num_splits=1), 16, True, False),
     (_C("small_ragged_splits", "decode", (0, 1, 70, 130), num_splits=3, shared_blocks=2), 16, False, False),
@@ -62,6 +63,15 @@ SMALL_GRID_CASES = (
     (_C("pdl_auto_splits_bs8", "decode", (200, 37), num_heads=8, num_kv_heads=2, block_size=8), 32, False, True),
     (_C("pdl_bs64_fused_cap", "decode", (3, 65, 100), num_heads=16, num_kv_heads=1, block_size=64,
         num_splits=2, merge="fused", repeat_splits=(1, 5)), 16, True, True),
+    (_C("prefetch_split1", "decode", (1, 15, 16, 17, 33, 70), num_heads=9, num_kv_heads=3, num_splits=1),
+        16, True, False, True),
+    (_C("prefetch_ragged_splits", "decode", (0, 1, 70, 130), num_splits=3, shared_blocks=2), 16, False, False, True),
+    (_C("prefetch_bounded_cap", "decode", (0, 1, 70, 130), num_splits=3, shared_blocks=2, max_context_len=130),
+        16, True, False, True),
+    (_C("prefetch_bs8_d128_cap", "decode", (47, 100), num_heads=8, num_kv_heads=2, head_dim=128, block_size=8,
+        num_splits=2), 32, True, False, True),
+    (_C("prefetch_pdl_bs64_fused", "decode", (3, 65, 100), num_heads=16, num_kv_heads=1, block_size=64,
+        num_splits=2, merge="fused", repeat_splits=(1, 5)), 16, True, True, True),
 )  # fmt: skip
 SMALL_GRID_IDS = [f"{case.name}-bn{block_n}" for case, block_n, *_ in SMALL_GRID_CASES]
 
@@ -99,16 +109,17 @@ def _run_small_grid_cases() -> list[dict]:
     from pagedinfer.kernels import decode_attention as da
 
     results, original = [], da.default_config
-    for i, (case, block_n, capacity, pdl) in enumerate(SMALL_GRID_CASES):
+    for i, (case, block_n, capacity, pdl, *prefetch) in enumerate(SMALL_GRID_CASES):
         used = []
 
-        def forced(*args, block_n=block_n, capacity=capacity, pdl=pdl, used=used):
+        def forced(*args, block_n=block_n, capacity=capacity, pdl=pdl, prefetch=any(prefetch), used=used):
             used.append(True)
             changes = {
                 "block_n": block_n,
                 "q_in_loop": True,
                 "capacity_splits": capacity,
                 "pdl_prologue": pdl,
+                "prefetch_ids": prefetch,
             }
             return dataclasses.replace(original(*args), min_split_tokens=block_n, **changes)
 
