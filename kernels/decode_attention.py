@@ -12,8 +12,7 @@ it (see there for what it may read before gdc_wait).
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,9 +34,6 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 128  # hard cap (merge tiles are [SPLITS_PAD, D_PAD]); the default rule stays <= 64
 DEFAULT_MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
-# A/B switch while DecodeConfig.prefetch_ids is measured: PAGEDINFER_DECODE_PREFETCH_IDS=1 turns it
-# on in every config the launcher picks on CUDA.
-PREFETCH_IDS_DEFAULT = os.environ.get("PAGEDINFER_DECODE_PREFETCH_IDS", "0") == "1"
 SMALL_GRID = 16  # fewer (sequence, KV head) programs than this: latency-bound (batch 1 at 8 KV heads)
 SMALL_GRID_MIN_CONTEXT = 2048  # block-table capacity from which the small-grid config pays (v5)
 
@@ -80,7 +76,10 @@ class DecodeConfig:
     pdl_prologue: bool = False
     # Load the next tile's block ids while the current tile's K/V are in flight (one tile ahead,
     # BLOCK_N ids in registers), so each tile after the first costs one dependent DRAM round
-    # trip (K/V) instead of two (block ids, then K/V).
+    # trip (K/V) instead of two (block ids, then K/V). Off by default: on the H200 it gains 3% on
+    # short told contexts (1x512 5.82 -> 5.62 us, 1x640 in a 2048 table 6.25 -> 6.06) and on the
+    # 32-token table config at 1x8192 (15.95 -> 15.57), but costs 8% on the told 1x8192 config
+    # (15.68 -> 16.94) and 2-22% on large grids (64x2048 138 -> 168 us); NOTES.md v9.
     prefetch_ids: bool = False
 
 
@@ -348,13 +347,10 @@ def paged_decode_attention(
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
-    chosen = config is None
     if max_context_len is not None and max_context > 0:  # a table with no columns reads nothing
         max_context = min(max_context, max_context_len)
         config = config or bounded_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
     config = config or default_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
-    if chosen and PREFETCH_IDS_DEFAULT and query.device.type == "cuda":
-        config = replace(config, prefetch_ids=True)
     if num_splits is None:
         num_splits = default_num_splits(
             num_seqs, num_kv_heads, max_context, query.device, config.min_split_tokens
