@@ -100,7 +100,25 @@ def _prefetch_variants(batch: int) -> dict:
                 return lambda: cases.triton_decode(*_args(x), config=config, **bound)
 
             out[label] = factory
+    if batch * cases.LLAMA.num_kv_heads >= da.SMALL_GRID:
+        return out
+    # Small grids: told configs with smaller tiles, where the prefetch has more tiles a program to
+    # help (at 1x8192 the told 64-token config has two; its registers sit at the cliff), and with
+    # 8 warps (half the registers a thread).
+    for label, config in PREFETCH_SMALL_VARIANTS.items():
+        out[label] = lambda x, config=config: (
+            lambda: cases.triton_decode(*_args(x), config=config, max_context_len=x["context"])
+        )
     return out
+
+
+PREFETCH_SMALL_VARIANTS = {
+    "told 32/4/3 cap +prefetch": DecodeConfig(32, 4, 3, min_split_tokens=32, prefetch_ids=True, **BOUNDED),
+    "told 32/2/3 cap +prefetch": DecodeConfig(32, 2, 3, min_split_tokens=32, prefetch_ids=True, **BOUNDED),
+    "told 16/2/3 cap +prefetch": DecodeConfig(16, 2, 3, min_split_tokens=16, prefetch_ids=True, **BOUNDED),
+    "told 64/8/3 cap +prefetch": DecodeConfig(64, 8, 3, prefetch_ids=True, **BOUNDED),
+    "told 32/4/3 cap": DecodeConfig(32, 4, 3, min_split_tokens=32, **BOUNDED),
+}
 
 
 def _v4_module():
