@@ -80,9 +80,9 @@ def _launcher_config(x: dict, told: bool):
     programs = x["query"].shape[0] * x["key_cache"].shape[2]
     width = x["block_tables"].shape[1] * x["key_cache"].shape[1]
     bound = min(width, x["context"]) if told else width
-    device = x["query"].device
-    return (da.bounded_config(128, device, programs, bound) if told else None) or da.default_config(
-        128, device, programs, bound
+    device, head_dim = x["query"].device, x["query"].shape[2]
+    return (da.bounded_config(head_dim, device, programs, bound) if told else None) or da.default_config(
+        head_dim, device, programs, bound
     )
 
 
@@ -103,8 +103,9 @@ def _prefetch_variants(batch: int) -> dict:
     if batch * cases.LLAMA.num_kv_heads >= da.SMALL_GRID:
         return out
     # Small grids: told configs with smaller tiles, where the prefetch has more tiles a program to
-    # help (at 1x8192 the told 64-token config has two; its registers sit at the cliff), and with
-    # 8 warps (half the registers a thread).
+    # help (at 1x8192 the told 64-token config has two; its registers sit at the cliff), 2 warps
+    # (more programs an SM), the 64-token tile on 8 warps (half the registers a thread), and the
+    # 32-token told config without the prefetch (at 1x2048 it is the default: a noise check there).
     for label, config in PREFETCH_SMALL_VARIANTS.items():
         out[label] = lambda x, config=config: (
             lambda: cases.triton_decode(*_args(x), config=config, max_context_len=x["context"])
@@ -232,13 +233,14 @@ def print_medians(rows: list[dict]) -> None:
     """One line per variant: the median us per call over the rounds, one column per shape."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    print(f"\nmedian us over rounds\n{'variant':<22}" + "".join(f"{s:>12}" for s in shapes))
+    width = max([22, *(len(label) + 1 for label in labels)])
+    print(f"\nmedian us over rounds\n{'variant':<{width}}" + "".join(f"{s:>12}" for s in shapes))
     for label in labels:
         cells = []
         for shape in shapes:
             us = [r["us"] for r in rows if r["label"] == label and r["shape"] == shape and "us" in r]
             cells.append(f"{statistics.median(us):12.2f}" if us else f"{'-':>12}")
-        print(f"{label:<22}" + "".join(cells))
+        print(f"{label:<{width}}" + "".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:

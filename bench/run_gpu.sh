@@ -7,8 +7,9 @@
 # pybind11, scikit-build-core, cmake, ninja): pure-Python wheels the project needs beyond those
 # come from the git-ignored folder .whl/ (fill it here with bench/fetch_gpu_wheels.sh; see
 # bench/gpu_requirements.md). Writes logs, JSON, plots and OUTDIR/SUMMARY.md. Budget: < 9 min.
-# Each step is one `step NAME COMMAND...` line below; a failing step is recorded and the rest
-# still run; the script exits non-zero if any step failed.
+# Each step is one `step NAME COMMAND...` line below (diagnostic probes: `probe NAME COMMAND...`,
+# run only when asked for); a failing step is recorded and the rest still run; the script exits
+# non-zero if any step failed.
 set -uo pipefail
 OUTDIR=$(realpath -m "${1:?usage: bench/run_gpu.sh OUTDIR}")
 cd "$(dirname "$0")/.." || exit 1
@@ -48,7 +49,8 @@ probe() {  # probe NAME COMMAND... : a step that runs only when named in PROBES 
   if [[ " $PROBES " != *" all "* && " $PROBES " != *" $name "* && " $STEPS " != *" $name "* ]]; then
     return 0
   fi
-  STEPS="" step "$@"
+  local STEPS=""  # step() sees no STEPS filter for this call only
+  step "$@"
 }
 
 install_wheels() {  # carried wheels (if any) into a private site dir on PYTHONPATH

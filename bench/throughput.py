@@ -13,6 +13,7 @@ after another (same GGUF weights, greedy, equal lengths).
 
     python bench/throughput.py --out bench/results            # GPU
     python bench/throughput.py --cpu --out bench/results      # CPU
+    python bench/throughput.py --floors-only --concurrency 1 256 --out OUT   # GPU decode steps only
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def run_gpu(args) -> dict:
     prompts = random_prompts(args.num_requests, 512, 64, shape["vocab_size"])
     run_engine_requests(core, prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     offline = None if args.floors_only else run_engine_requests(core, prompts, greedy)
-    print(f"offline: {offline.summary() if offline else 'skipped (--floors-only)'}")
+    print(f"offline: {offline.summary() if offline is not None else 'skipped (--floors-only)'}")
     curve = []
     for conc in [] if args.floors_only else args.concurrency:
         r = run_engine_requests(core, random_prompts(conc, 512, 0, shape["vocab_size"], seed=conc), greedy)
@@ -301,17 +302,19 @@ def run_gpu(args) -> dict:
         "num_kv_blocks": core.scheduler.kv.num_blocks,
         "async_scheduling": core.async_scheduling,
         "num_lookahead_steps": core.num_lookahead_steps,
-        "offline": offline.summary() if offline else None,
+        "offline": offline.summary() if offline is not None else None,
         "concurrency_curve": curve,
         "single_stream_curve_point": single,
         "decode_vs_floor": floors,
         "peers": peers,
         "best_transformers_peer": best_name,
-        "ratio_vs_best_transformers": offline.output_tok_s / best_hf if best_hf and offline else None,
+        "ratio_vs_best_transformers": offline.output_tok_s / best_hf
+        if best_hf and offline is not None
+        else None,
         "ratio_vs_each_peer": {
             name: offline.output_tok_s / p["output_tok_s"]
             for name, p in peers.items()
-            if p.get("output_tok_s") and offline
+            if p.get("output_tok_s") and offline is not None
         },
     }
 
@@ -466,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both peers)")
     args = p.parse_args(argv)
+    if args.floors_only and args.cpu:
+        p.error("--floors-only is for the GPU benchmark (or --smoke), not --cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.output_len is None:

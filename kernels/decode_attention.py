@@ -211,6 +211,7 @@ def _decode_kernel(
             q = tl.load(q_ptrs, mask=q_mask & (g * 0 + n0 < stop)[:, None], other=0.0)
         if PREFETCH_IDS:  # this tile's ids came one iteration early; fetch the next tile's now
             ids = ids_next
+            # masked off past stop (the table's width at most): the last iteration reads nothing
             ids_next = tile_block_ids(table_row, pos + BLOCK_N, stop, BLOCK_SIZE)
         else:
             ids = tile_block_ids(table_row, pos, stop, BLOCK_SIZE)

@@ -197,21 +197,25 @@ def test_prefetch_ids_on_large_grids(block_n):
     from pagedinfer.kernels import decode_attention as da
 
     gen = torch.Generator().manual_seed(11 + block_n)
+    gpu_gen = torch.Generator("cuda").manual_seed(11 + block_n)  # caches drawn on the device
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16, "generator": gpu_gen}
     for batch in (64, 256):
         lens = torch.randint(1, 2049, (batch,), generator=gen)
         lens[:5] = torch.tensor([0, 1, 16, 17, 2048])
         tables, num_blocks = make_block_tables(lens.tolist(), 16, 0, gen)
-        cache_shape = (num_blocks, 16, 8, 128)
-        kc, vc = (torch.randn(cache_shape, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
-        query = torch.randn(batch, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+        kc, vc = (torch.randn(num_blocks, 16, 8, 128, **bf16) for _ in range(2))
+        query = torch.randn(batch, 32, 128, **bf16)
         context_lens, tables = lens.to("cuda", torch.int32), tables.cuda()
         config = da.DecodeConfig(block_n, prefetch_ids=True)
         out = da.paged_decode_attention(query, kc, vc, tables, context_lens, 128**-0.5, 1, config)
         ref = reference.paged_decode_attention(
             query.double(), kc.double(), vc.double(), tables, context_lens, 128**-0.5
         )
-        rel = float((out.double() - ref).norm() / ref.norm())
-        assert rel <= TOLERANCE[torch.bfloat16], (batch, block_n, rel)
+        # per sequence: an error in one sequence's boundary tile must not average away
+        err = (out.double() - ref).flatten(1).norm(dim=1)  # [S]
+        rel = err / ref.flatten(1).norm(dim=1).clamp_min(1.0)  # the empty sequence's ref is 0
+        worst = int(rel.argmax())
+        assert float(rel[worst]) <= TOLERANCE[torch.bfloat16], (batch, block_n, worst, int(lens[worst]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -3,7 +3,7 @@
 The interpreter must be enabled before triton is imported, so the cases run in one subprocess
 (kernels/testing.py's main) and each case's result is checked here. The decode kernel's
 small-grid path (DecodeConfig.q_in_loop, the CUDA default under SMALL_GRID programs, with and
-without capacity_splits) runs its own cases the same way: `python -m tests.kernels.test_triton_interpret
+without capacity_splits, pdl_prologue and prefetch_ids) runs its own cases the same way: `python -m tests.kernels.test_triton_interpret
 OUT.json` runs SMALL_GRID_CASES with that config forced on.
 """
 
