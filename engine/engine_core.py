@@ -90,6 +90,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling  # lookahead steps (core/lookahead.py)
         self._inflight: tuple[SchedulerOutput, object] | None = None  # a lookahead step (None: launching)
         self.num_lookahead_steps = 0
+        self.num_lookahead_admissions = 0  # requests admitted by lookahead steps
         self.runner = runner
         _freeze_startup_objects()
         self.spec_decoder = spec_decoder  # spec_decode.SpeculativeDecoder, or None
@@ -246,6 +247,7 @@ class EngineCore:
         nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:
             self.num_lookahead_steps += 1
+            self.num_lookahead_admissions += len(nxt.sequences) - nxt.num_fed
             # In flight from the moment its slots are reserved: if launching it fails, step()
             # gives them back like any dropped lookahead's.
             self._inflight = (nxt, None)

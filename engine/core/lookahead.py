@@ -7,14 +7,21 @@ real ids into the KV manager once N's tokens have been applied (before that bloc
 prefix-cached). The host's per-step work (update, schedule, input staging) then overlaps the
 device's forward pass instead of sitting between two of them.
 
-A lookahead is planned only where the synchronous scheduler would decide the same batch (in N's
-row order): every running sequence was in step N, sampled there, and continues with one plain
-decode token; nothing can be admitted or preempted; no drafts, forks, penalties (which read the
-output history on the host) or logprobs (their host copy would wait for N+1). A sequence certain
-to finish at N (max_tokens or the context length reached) gets no row; when every one does there
-is no lookahead. One that stops at N on a sampled token (EOS, stop ids) computes one token at N+1
-that is discarded; its KV slot went back with its blocks, and the stream order puts N+1's write
-before any later owner's.
+A lookahead continues step N's batch (in N's row order) only where the synchronous scheduler
+would too: every running sequence was in step N, sampled there, and continues with one plain
+decode token; nothing can be preempted; no drafts, forks, penalties (which read the output
+history on the host) or logprobs (their host copy would wait for N+1). A sequence certain to
+finish at N (max_tokens or the context length reached) gets no row. One that stops at N on a
+sampled token (EOS, stop ids) computes one token at N+1 that is discarded; its KV slot went back
+with its blocks, and the stream order puts N+1's write before any later owner's.
+
+Waiting requests are admitted into the lookahead behind the continuing sequences, as the
+synchronous step would admit them (its queue order, token budget, seats and KV blocks), except
+that the seats and blocks of sequences finishing at N are not free yet: those go to the next
+step. Without that, a workload with a queue (an offline batch: a sequence ends and one is
+admitted almost every step) would plan nearly every step synchronously, with the device idle
+while the host updates, schedules and stages. A request of higher priority than a running one
+keeps the step synchronous (it may preempt).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     """Step N+1 for a launched step N (`prev`) whose tokens are not applied yet, or None."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
-    if len(prev.sequences) != len(scheduler.running) or not _nothing_to_admit(scheduler):
+    if len(prev.sequences) != len(scheduler.running) or _may_preempt(scheduler):
         return None
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
@@ -73,16 +80,22 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
         )
         seqs.append(seq)
         feed_rows.append(i)
-    if not planned or (len(planned) < len(prev.sequences) and scheduler.waiting):
-        return None  # nothing continues, or a freed seat lets the synchronous step admit
+    if not planned:
+        return None  # nothing continues
     seq_ids = [s.seq_id for s in planned]
     copies = scheduler.kv.append_batch(seq_ids, [PLACEHOLDER_TOKEN_ID] * len(seq_ids), [1] * len(seq_ids))
     if copies is None:
         return None  # out of blocks: the synchronous step decides whom to preempt
     for seq in seqs:
         seq.num_kv_tokens += 1
-    layout = scheduler.kv.build_batch(seq_ids, [s.num_computed_tokens for s in planned], [1] * len(seq_ids))
-    rows = None if len(feed_rows) == len(prev.sequences) else feed_rows
+    num_fed = len(planned)
+    scheduler.admit_waiting(scheduler.config.max_num_batched_tokens - num_fed, planned)
+    layout = scheduler.kv.build_batch(
+        [s.seq_id for s in planned],
+        [s.num_computed_tokens for s in planned],
+        [s.num_new_tokens for s in planned],
+    )
+    rows = None if len(feed_rows) == len(planned) == len(prev.sequences) else feed_rows
     return SchedulerOutput(planned, layout, copies, [], feeds_previous=True, feed_rows=rows)
 
 
@@ -92,7 +105,7 @@ def resolve_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
     running = RequestStatus.RUNNING
     seq_ids: list[int] = []
     token_ids: list[int] = []
-    for s in lookahead.sequences:
+    for s in lookahead.sequences[: lookahead.num_fed]:  # the admitted ones have real inputs
         seq = by_seq_id.get(s.seq_id)
         if seq is None or seq.status is not running:
             continue  # stopped or aborted at N: its N+1 result is dropped by update()
@@ -114,7 +127,11 @@ def drop_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
     kv = scheduler.kv
     copies: list[tuple[int, int]] = []
     owned: set[int] = set()  # blocks of the sequences kept: only their copies are owed again
-    for s in lookahead.sequences:
+    for s in lookahead.sequences[lookahead.num_fed :]:  # admitted by the lookahead: back to the queue
+        seq = by_seq_id.get(s.seq_id)
+        if seq is not None and seq.status is running:
+            scheduler.unadmit(seq)
+    for s in lookahead.sequences[: lookahead.num_fed]:
         seq = by_seq_id.get(s.seq_id)
         if seq is None or seq.status is not running or seq.num_kv_tokens <= s.num_computed_tokens:
             continue  # finished (its blocks are gone) or already given back
@@ -124,12 +141,8 @@ def drop_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
     scheduler._pending_copies += [c for c in lookahead.block_copies if c[1] in owned] + copies
 
 
-def _nothing_to_admit(scheduler: Scheduler) -> bool:
-    """The synchronous scheduler would admit or preempt nothing: no waiting request, or no free
-    seat and no waiting request of a higher base priority than a running one."""
+def _may_preempt(scheduler: Scheduler) -> bool:
+    """The synchronous scheduler might preempt for priority: a waiting request of a higher base
+    priority than a running one (the exact test needs blocks and seats freed at N)."""
     waiting = scheduler.waiting
-    if not waiting:
-        return True
-    if scheduler._num_seats_taken() < scheduler.config.max_num_seqs:
-        return False
-    return max(r.priority for r in waiting) <= min(r.priority for r in scheduler.running)
+    return bool(waiting) and max(r.priority for r in waiting) > min(r.priority for r in scheduler.running)

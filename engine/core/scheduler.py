@@ -336,6 +336,21 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 
+    def admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
+        """Admit waiting requests into `scheduled` within `budget` tokens, as a step's admission
+        does (core/lookahead.py: into a lookahead step, behind its continuing sequences)."""
+        self._schedule_waiting(budget, scheduled)
+
+    def unadmit(self, seq: Request) -> None:
+        """Undo an admission whose step never ran (a dropped lookahead): blocks back, the request
+        back at the head of the queue as it was (waiting, or preempted before)."""
+        self.kv.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.num_kv_tokens = 0
+        seq.status = RequestStatus.PREEMPTED if seq.num_preemptions else RequestStatus.WAITING
+        self.waiting.insert(0, seq)
+
     def _num_seats_taken(self) -> int:
         # Running leaders still owe seats to the children they will fork.
         return len(self.running) + sum(len(r.pending_children) for r in self.running)

@@ -67,10 +67,18 @@ class SchedulerOutput:
     layout: BatchLayout | None  # None when nothing is scheduled
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst) blocks
     preempted_seq_ids: list[int] = field(default_factory=list)
-    # A lookahead step (core/lookahead.py): each sequence's one input is the token it sampled in
-    # the step before, fed on the device; `token_ids` hold placeholders until it is resolved.
+    # A lookahead step (core/lookahead.py): each continuing sequence's one input is the token it
+    # sampled in the step before, fed on the device; `token_ids` hold placeholders until it is
+    # resolved. Those fed sequences come first; requests admitted by the lookahead follow them.
     feeds_previous: bool = False
-    feed_rows: list[int] | None = None  # the row of that step's samples each sequence takes; None: i
+    feed_rows: list[int] | None = None  # the row of that step's samples each fed sequence takes; None: i
+
+    @property
+    def num_fed(self) -> int:
+        """How many leading sequences take their input from the step before (0: none)."""
+        if not self.feeds_previous:
+            return 0
+        return len(self.feed_rows) if self.feed_rows is not None else len(self.sequences)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -189,8 +189,9 @@ class ModelRunner:
     def _feed_previous(
         self, sched: SchedulerOutput, feed: PendingStep | None, input_ids: torch.Tensor
     ) -> None:
-        """A lookahead's inputs are the launched step's samples, copied on the device."""
-        n = len(sched.sequences)
+        """A lookahead's inputs are the launched step's samples, copied on the device: one token for
+        each of its leading `num_fed` sequences (prefill chunks it admitted follow them)."""
+        n = sched.num_fed
         if feed is None or feed.sampled is None:
             raise ValueError("a lookahead step needs the launched step it continues")
         sampled = feed.sampled.token_ids

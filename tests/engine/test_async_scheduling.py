@@ -269,3 +269,72 @@ def test_a_lookahead_that_fails_to_launch_gives_back_its_slots(tiny_llama_dir):
         core.runner.launch_forward = flaky
 
     _keep_stepping_through_a_failure(tiny_llama_dir, make_flaky)
+
+
+def test_a_queue_is_admitted_by_lookahead_steps(tiny_llama_dir):
+    """More requests than seats (an offline batch): sequences end at staggered steps and waiting
+    requests take their seats inside lookahead steps, so most steps stay asynchronous; every
+    output is the synchronous engine's."""
+    ps = prompts(24, seed=8)
+    params = [
+        SamplingParams(
+            max_tokens=4 + (i * 7) % 13, temperature=0.0 if i % 3 else 0.8, seed=i, ignore_eos=True
+        )
+        for i in range(24)
+    ]
+    results, counts = {}, {}
+    for asyn in (False, True):
+        llm = make_llm(tiny_llama_dir, asyn, max_num_seqs=4, max_num_batched_tokens=64)
+        core = llm.core
+        s0, l0, a0 = core._step, core.num_lookahead_steps, core.num_lookahead_admissions
+        results[asyn] = run(llm, ps, params)
+        counts[asyn] = (core._step - s0, core.num_lookahead_steps - l0, core.num_lookahead_admissions - a0)
+        assert_idle_and_free(llm)
+    assert results[True] == results[False]
+    steps, lookahead_steps, admissions = counts[True]
+    assert counts[False][1:] == (0, 0)
+    assert admissions >= 10  # most of the queue entered through lookahead steps
+    assert lookahead_steps >= 0.6 * steps, counts
+
+
+def test_a_failed_lookahead_returns_its_admissions_to_the_queue(tiny_llama_dir):
+    """A lookahead that admitted waiting requests fails to launch: they go back to the queue
+    with their blocks, run later, and every sequence ends with the synchronous engine's tokens
+    (read from the scheduler: a step that raises does not return the outputs it had flushed)."""
+    ps = prompts(10, seed=9)
+    params = [SamplingParams(max_tokens=3 + i % 5, temperature=0.0, ignore_eos=True) for i in range(10)]
+    results = {}
+    for asyn in (False, True):
+        llm = make_llm(tiny_llama_dir, asyn, max_num_seqs=3)
+        core = llm.core
+        failed = []
+        if asyn:
+            real_launch = core.runner.launch_forward
+
+            def flaky(sched, feed=None, real_launch=real_launch, failed=failed):
+                if feed is not None and len(sched.sequences) > sched.num_fed and not failed:
+                    failed.append([s.seq_id for s in sched.sequences[sched.num_fed :]])
+                    raise RuntimeError("transient device failure")
+                return real_launch(sched, feed=feed)
+
+            core.runner.launch_forward = flaky
+        for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
+            core.add_request(f"r{i}", p, sp)
+        seqs = {r.request_id: r for r in core.scheduler.waiting}
+        while core.has_unfinished():
+            try:
+                core.step()
+            except RuntimeError:
+                if asyn:  # the admitted requests are queued again, holding no blocks
+                    waiting = {r.seq_id for r in core.scheduler.waiting}
+                    assert set(failed[0]) <= waiting
+                    for seq_id in failed[0]:  # freed: the KV manager no longer knows them
+                        with pytest.raises(KeyError):
+                            core.scheduler.kv.block_table(seq_id)
+        results[asyn] = {rid: list(r.output_token_ids) for rid, r in seqs.items()}
+        if asyn:
+            assert failed, "no lookahead admitted a request"
+        kv = core.scheduler.kv
+        assert kv.num_free_blocks == kv.num_blocks
+    assert results[True] == results[False]
+    assert [len(t) for t in results[True].values()] == [sp.max_tokens for sp in params]
