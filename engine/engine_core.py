@@ -183,6 +183,9 @@ class EngineCore:
             if self._inflight is not None:  # not continued: its KV slots go back
                 inflight, self._inflight = self._inflight, None
                 drop_lookahead(self.scheduler, inflight[0])
+            # Steps already enqueued may still read their pinned input staging, which the next
+            # step would overwrite: let them finish first.
+            self.runner.quiesce()
             raise
 
     def _step_once(self) -> list[RequestOutput]:
@@ -246,13 +249,13 @@ class EngineCore:
             return
         nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:
-            self.num_lookahead_steps += 1
-            self.num_lookahead_admissions += len(nxt.sequences) - nxt.num_fed
             # In flight from the moment its slots are reserved: if launching it fails, step()
             # gives them back like any dropped lookahead's.
             self._inflight = (nxt, None)
             forward = self.runner.launch_forward(nxt, feed=pending)
             self._inflight = (nxt, self.runner.launch_sampling(forward))
+            self.num_lookahead_steps += 1
+            self.num_lookahead_admissions += len(nxt.sequences) - nxt.num_fed
 
     def _flush_pending(self) -> list[RequestOutput]:
         """Outputs and step accounting of the last step: nothing here decides the next batch."""

@@ -89,12 +89,17 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     for seq in seqs:
         seq.num_kv_tokens += 1
     num_fed = len(planned)
-    scheduler.admit_waiting(scheduler.config.max_num_batched_tokens - num_fed, planned)
-    layout = scheduler.kv.build_batch(
-        [s.seq_id for s in planned],
-        [s.num_computed_tokens for s in planned],
-        [s.num_new_tokens for s in planned],
-    )
+    try:
+        scheduler.admit_waiting(scheduler.config.max_num_batched_tokens - num_fed, planned)
+        layout = scheduler.kv.build_batch(
+            [s.seq_id for s in planned],
+            [s.num_computed_tokens for s in planned],
+            [s.num_new_tokens for s in planned],
+        )
+    except BaseException:  # nothing is in flight yet: undo the slots and admissions made so far
+        partial = SchedulerOutput(planned, None, copies, feeds_previous=True, feed_rows=feed_rows)
+        drop_lookahead(scheduler, partial)
+        raise
     rows = None if len(feed_rows) == len(planned) == len(prev.sequences) else feed_rows
     return SchedulerOutput(planned, layout, copies, [], feeds_previous=True, feed_rows=rows)
 

@@ -348,7 +348,12 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_kv_tokens = 0
-        seq.status = RequestStatus.PREEMPTED if seq.num_preemptions else RequestStatus.WAITING
+        if seq.num_preemptions:
+            seq.status = RequestStatus.PREEMPTED
+        else:  # that admission was its first: it was never scheduled (queue time, cached tokens)
+            seq.status = RequestStatus.WAITING
+            seq.first_scheduled_time = None
+            seq.num_cached_tokens = 0
         self.waiting.insert(0, seq)
 
     def _num_seats_taken(self) -> int:

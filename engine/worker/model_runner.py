@@ -9,6 +9,7 @@ A rejection sampler with draft probabilities can replace `verifier`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -372,6 +373,14 @@ class ModelRunner:
                 ]
             results.append(SampledTokens(g.seq_id, tokens, logprobs))
         return ModelRunnerOutput(results, num_draft, num_accepted, num_verified_seqs=num_verified)
+
+    def quiesce(self) -> None:
+        """After a failed step: wait until the work already enqueued on the device has run (its
+        host-to-device copies read pinned staging that the next step reuses). A device error
+        raised here again is left to the caller's next step."""
+        if self.config.device.type == "cuda":
+            with contextlib.suppress(Exception):
+                torch.cuda.current_stream(self.config.device).synchronize()
 
     # ---- GPU idle-time accounting (CUDA only) --------------------------------------------------
     def _gpu_event(self) -> torch.cuda.Event | None:

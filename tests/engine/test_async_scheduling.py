@@ -331,6 +331,9 @@ def test_a_failed_lookahead_returns_its_admissions_to_the_queue(tiny_llama_dir):
                     for seq_id in failed[0]:  # freed: the KV manager no longer knows them
                         with pytest.raises(KeyError):
                             core.scheduler.kv.block_table(seq_id)
+                    # never scheduled after all: no queue time ended, no cached tokens counted
+                    requeued = [r for r in core.scheduler.waiting if r.seq_id in failed[0]]
+                    assert all(r.first_scheduled_time is None and r.num_cached_tokens == 0 for r in requeued)
         results[asyn] = {rid: list(r.output_token_ids) for rid, r in seqs.items()}
         if asyn:
             assert failed, "no lookahead admitted a request"
@@ -338,3 +341,22 @@ def test_a_failed_lookahead_returns_its_admissions_to_the_queue(tiny_llama_dir):
         assert kv.num_free_blocks == kv.num_blocks
     assert results[True] == results[False]
     assert [len(t) for t in results[True].values()] == [sp.max_tokens for sp in params]
+
+
+def test_a_lookahead_that_fails_while_planned_gives_back_its_slots(tiny_llama_dir):
+    """Planning itself fails after the placeholder slots were reserved (in the admission step):
+    nothing is in flight yet, so the planner undoes them; a caller that keeps stepping matches the
+    synchronous engine, prefix-cache hits included (no block cached under a placeholder)."""
+
+    def make_flaky(core):
+        real_admit, calls = core.scheduler.admit_waiting, [0]
+
+        def flaky(budget, scheduled):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("failure while planning a lookahead")
+            return real_admit(budget, scheduled)
+
+        core.scheduler.admit_waiting = flaky
+
+    _keep_stepping_through_a_failure(tiny_llama_dir, make_flaky)
