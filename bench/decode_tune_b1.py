@@ -77,13 +77,8 @@ ROTARY_VARIANTS = ("v5 small", "v5 small +pdl")  # also timed after the rotary +
 def _launcher_config(x: dict, told: bool):
     """The config ops.paged_decode_attention picks for this input: told the context (the eager
     step, the benchmark's triton column) or from the table's width (the CUDA-graph step)."""
-    programs = x["query"].shape[0] * x["key_cache"].shape[2]
-    width = x["block_tables"].shape[1] * x["key_cache"].shape[1]
-    bound = min(width, x["context"]) if told else width
-    device, head_dim = x["query"].device, x["query"].shape[2]
-    return (da.bounded_config(head_dim, device, programs, bound) if told else None) or da.default_config(
-        head_dim, device, programs, bound
-    )
+    bound = x["context"] if told else None
+    return da.launcher_config(x["query"], x["key_cache"], x["block_tables"], bound)[0]
 
 
 def _prefetch_variants(batch: int) -> dict:

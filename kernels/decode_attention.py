@@ -328,6 +328,25 @@ def default_config(
     return DecodeConfig()
 
 
+def launcher_config(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_context_len: int | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[DecodeConfig, int]:
+    """The config `paged_decode_attention` runs (`config`, else the bounded or default pick) and
+    the host-side bound on the contexts its splits are sized from."""
+    num_seqs, _, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    max_context = block_tables.shape[1] * block_size
+    if max_context_len is not None and max_context > 0:  # a table with no columns reads nothing
+        max_context = min(max_context, max_context_len)
+        config = config or bounded_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
+    config = config or default_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
+    return config, max_context
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -347,11 +366,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
-    max_context = block_tables.shape[1] * block_size
-    if max_context_len is not None and max_context > 0:  # a table with no columns reads nothing
-        max_context = min(max_context, max_context_len)
-        config = config or bounded_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
-    config = config or default_config(head_dim, query.device, num_seqs * num_kv_heads, max_context)
+    config, max_context = launcher_config(query, key_cache, block_tables, max_context_len, config)
     if num_splits is None:
         num_splits = default_num_splits(
             num_seqs, num_kv_heads, max_context, query.device, config.min_split_tokens
