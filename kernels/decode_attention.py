@@ -76,10 +76,10 @@ class DecodeConfig:
     pdl_prologue: bool = False
     # Load the next tile's block ids while the current tile's K/V are in flight (one tile ahead,
     # BLOCK_N ids in registers), so each tile after the first costs one dependent DRAM round
-    # trip (K/V) instead of two (block ids, then K/V). Off by default: on the H200 it gains 3% on
-    # short told contexts (1x512 5.82 -> 5.62 us, 1x640 in a 2048 table 6.25 -> 6.06) and on the
-    # 32-token table config at 1x8192 (15.95 -> 15.57), but costs 8% on the told 1x8192 config
-    # (15.68 -> 16.94) and 2-22% on large grids (64x2048 138 -> 168 us); NOTES.md v9.
+    # trip (K/V) instead of two (block ids, then K/V). On in bounded_config (told small grids:
+    # 1x8192 15.69 -> 15.08 us with 32-token tiles at 2 warps, 1x512 5.83 -> 5.64), off elsewhere:
+    # it costs 8% on the 64-token 4-warp tile at 1x8192 and 2-22% on large grids (64x2048 138 ->
+    # 168 us), where the extra live registers cost occupancy; NOTES.md v9-v10.
     prefetch_ids: bool = False
 
 
@@ -299,14 +299,23 @@ def _choose_merge(config: DecodeConfig, num_splits: int, num_programs: int, devi
 def bounded_config(head_dim: int, device: torch.device, num_programs: int, bound: int) -> DecodeConfig | None:
     """The small-grid config when the caller states a bound on every context length
     (`max_context_len`, as vLLM's max_seq_len): split bounds follow the bound, so each program's
-    first block-id loads need not wait for its context length (NOTES.md v5 run B / v7, H200:
-    1x8192 64-token tiles 15.6 us vs 16.0; 1x2048 32-token tiles 8.25 vs 8.37; 1x512 64-token
-    tiles 5.8 vs 6.1). None where the unbounded default applies (large grids, other head dims)."""
+    first block-id loads need not wait for its context length, and the next tile's block ids load
+    one tile early. H200, 3 interleaved rounds (NOTES.md v10): bounds >= 2048 take 32-token tiles
+    at 2 warps (1x8192 15.08 us vs 15.69 for v7's 64-token tiles, 1x2048 8.00 vs 8.19); shorter
+    bounds the 64-token tiles (1x512 5.64 vs 5.83). None where the unbounded default applies
+    (large grids, other head dims)."""
     if device.type != "cuda" or num_programs >= SMALL_GRID or head_dim != 128:
         return None
-    if SMALL_GRID_MIN_CONTEXT <= bound < 2 * SMALL_GRID_MIN_CONTEXT:
-        return DecodeConfig(block_n=32, q_in_loop=True, min_split_tokens=32, capacity_splits=True)
-    return DecodeConfig(block_n=64, q_in_loop=True, capacity_splits=True)
+    if bound >= SMALL_GRID_MIN_CONTEXT:
+        return DecodeConfig(
+            block_n=32,
+            num_warps=2,
+            q_in_loop=True,
+            min_split_tokens=32,
+            capacity_splits=True,
+            prefetch_ids=True,
+        )
+    return DecodeConfig(block_n=64, q_in_loop=True, capacity_splits=True, prefetch_ids=True)
 
 
 def default_config(

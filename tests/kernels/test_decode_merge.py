@@ -52,13 +52,17 @@ def test_small_grid_config_choice():
 
 
 def test_bounded_config_choice():
-    """Told the longest context: capacity splits for small grids at head_dim 128, 32-token tiles
-    for bounds of 2048-4095 tokens, 64 otherwise; nothing for large grids, other head dims, CPU."""
+    """Told the longest context: capacity splits and block ids one tile early for small grids at
+    head_dim 128, 32-token tiles at 2 warps for bounds of >= 2048 tokens, 64-token tiles at 4 below;
+    nothing for large grids, other head dims, CPU."""
     cuda = torch.device("cuda")
-    assert da.bounded_config(128, cuda, 8, 8192) == da.DecodeConfig(64, q_in_loop=True, capacity_splits=True)
-    assert da.bounded_config(128, cuda, 8, 512) == da.DecodeConfig(64, q_in_loop=True, capacity_splits=True)
-    mid = da.bounded_config(128, cuda, 8, 2048)
-    assert (mid.block_n, mid.min_split_tokens, mid.capacity_splits) == (32, 32, True)
-    assert da.bounded_config(128, cuda, 8, 4095) == mid
+    long = da.DecodeConfig(
+        32, 2, q_in_loop=True, min_split_tokens=32, capacity_splits=True, prefetch_ids=True
+    )
+    short = da.DecodeConfig(64, 4, q_in_loop=True, capacity_splits=True, prefetch_ids=True)
+    for bound in (2048, 4095, 8192, 131072):
+        assert da.bounded_config(128, cuda, 8, bound) == long
+    for bound in (1, 512, 2047):
+        assert da.bounded_config(128, cuda, 8, bound) == short
     for args in ((128, cuda, 16, 8192), (64, cuda, 3, 8192), (128, torch.device("cpu"), 8, 8192)):
         assert da.bounded_config(*args) is None
