@@ -10,13 +10,6 @@ Same rounding steps as fused_reference.add_rms_norm (h rounded to x's dtype, fp3
 x_hat rounded to the dtype before the weight, the product rounded again), then the GEMV of
 kernels/gemv.py's `reduce` variant; only the order of the fp32 sums differs from the two-kernel
 path.
-
-`add_norm_gemv_rows` is the same fold for 2-16 rows (a speculative verification's K + 1 tokens,
-a small batch) on the tensor-core `dot` variant of kernels/gemv.py: each program first computes
-the statistics of every row (one pass over the rows, from L2), then streams its weight tile while
-normalizing the [rows, BLOCK_K] tile of x. That first pass re-reads rows x K elements in every
-program, so it pays only while rows x K is small (`MAX_FOLDED_ROW_ELEMENTS`): at SmolLM2's K = 576
-the 57 norm kernels of a 5-row verification step cost more than the whole pass.
 """
 
 from __future__ import annotations
@@ -28,11 +21,6 @@ import triton.language as tl
 from pagedinfer.kernels.gemv import GemvConfig
 
 MAX_ROW = 16384  # widest row whose statistics one program computes in a single tile
-MAX_ROWS = 16  # add_norm_gemv_rows: the dot tile's rows (padded to 16)
-# add_norm_gemv_rows folds while rows x K is at most this: the statistics pass reads that many
-# elements (twice with a residual) in every program before its weight stream starts.
-MAX_FOLDED_ROW_ELEMENTS = 16384
-STATS_TILE_ELEMENTS = 4096  # [BLOCK_M, STATS_K] tile of the statistics pass
 
 
 @triton.jit
@@ -130,135 +118,6 @@ def add_norm_gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_ROW=triton.next_power_of_2(k),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return y, residual_out
-
-
-@triton.jit
-def _add_norm_gemv_dot_kernel(
-    x_ptr,  # [M, K]
-    residual_ptr,  # [M, K] (unused without HAS_RESIDUAL)
-    norm_w_ptr,  # [K]
-    w_ptr,  # [N, K]
-    b_ptr,  # [N] or a dummy
-    y_ptr,  # [M, N]
-    residual_out_ptr,  # [M, K] (unused without HAS_RESIDUAL)
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_rm,
-    stride_wn,
-    stride_ym,
-    stride_hm,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STATS_K: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    dtype = x_ptr.dtype.element_ty
-    rm = tl.arange(0, BLOCK_M)
-    m_mask = rm < M
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    r_rows = residual_ptr + rm[:, None] * stride_rm
-
-    # Pass 1: each row's sum of squares of h = x + residual (rounded to the dtype, as torch does).
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, STATS_K):
-        k = k0 + tl.arange(0, STATS_K)
-        mask = m_mask[:, None] & (k < K)[None, :]
-        h = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(r_rows + k[None, :], mask=mask, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            if pid == 0:
-                tl.store(residual_out_ptr + rm[:, None] * stride_hm + k[None, :], h, mask=mask)
-        hf = h.to(tl.float32)
-        sq += tl.sum(hf * hf, axis=1)
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(sq / K + eps))  # [BLOCK_M]
-
-    # Pass 2: the GEMV of the normed rows, normalizing each x tile as the weight streams.
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_mask = k < K
-        mask = m_mask[:, None] & k_mask[None, :]
-        xk = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(r_rows + k[None, :], mask=mask, other=0.0)
-            xk = (xk.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        x_hat = (xk.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-        g = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        x_in = (x_hat * g[None, :]).to(dtype)  # [BLOCK_M, BLOCK_K], what the norm kernel would write
-        w = tl.load(
-            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
-            mask=n_mask[None, :] & k_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
-        acc = tl.dot(x_in, w, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
-
-
-def add_norm_gemv_rows(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: GemvConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [M, K] (2 <= M <= MAX_ROWS; residual None: no add), norm_weight [K], weight
-    [N, K] -> (y [M, N], h [M, K]), h = x + residual (x itself without a residual).
-
-    Rows contiguous in their last dim, one dtype throughout (linear_ops.norm_linear checks that).
-    """
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= num_rows <= MAX_ROWS or config.variant != "dot":
-        raise ValueError(f"add_norm_gemv_rows takes 1-{MAX_ROWS} rows and a dot config, got {x.shape}")
-    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    has_residual = residual is not None
-    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format) if has_residual else x
-    block_m = max(16, triton.next_power_of_2(num_rows))
-    _add_norm_gemv_dot_kernel[(triton.cdiv(n, config.block_n),)](
-        x,
-        residual if has_residual else x,
-        norm_weight,
-        weight,
-        bias if bias is not None else y,
-        y,
-        residual_out,
-        num_rows,
-        n,
-        k,
-        x.stride(0),
-        residual.stride(0) if has_residual else x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        residual_out.stride(0),
-        float(eps),
-        HAS_RESIDUAL=has_residual,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        STATS_K=min(triton.next_power_of_2(k), STATS_TILE_ELEMENTS // block_m),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
