@@ -13,6 +13,7 @@ from pagedinfer.engine.spec_decode.ngram import (
     NgramProposer,
     find_ngram_draft,
     find_ngram_drafts,
+    grouped_context_overlap,
 )
 from pagedinfer.engine.spec_decode.proposer import DraftRequest
 
@@ -58,6 +59,49 @@ def test_matches_the_brute_force_reference(vocab, window):
         got = find_ngram_draft(array, ngram_min, ngram_max, k, context_window=window).tolist()
         want = _reference(tokens, ngram_min, ngram_max, k, window, MAX_RANKED_TIES)
         assert got == want, (tokens, ngram_min, ngram_max, k, window)
+
+
+@pytest.mark.parametrize("high", [5, 2**31 - 1])  # small vocab (many hits); ids near int32's top
+def test_grouped_context_overlap_matches_a_plain_count(high):
+    rng = np.random.default_rng(high % 97)
+    for _ in range(200):
+        lengths = rng.integers(0, 30, int(rng.integers(1, 5)))
+        lengths[0] = max(lengths[0], 1)  # some group has candidates
+        starts = np.cumsum(lengths) - lengths
+        tokens = rng.integers(0, high, int(lengths.sum()) + 1).astype(np.int32)
+        window = int(rng.integers(1, 20))
+        group = np.sort(rng.choice(np.flatnonzero(lengths), int(rng.integers(1, 12))))  # [C]
+        a_ends = starts[group] + rng.integers(-1, lengths[group])  # -1: an empty window
+        b_ends = starts + rng.integers(0, np.maximum(lengths, 1))  # [G]
+        got = grouped_context_overlap(tokens, a_ends, group, b_ends, starts, window)
+        for c, g in enumerate(group.tolist()):
+            low = int(starts[g])
+            before = {int(tokens[i]) for i in range(b_ends[g] - window + 1, b_ends[g] + 1) if i >= low}
+            want = sum(
+                int(tokens[i]) in before for i in range(a_ends[c] - window + 1, a_ends[c] + 1) if i >= low
+            )
+            assert got[c] == want, (tokens, a_ends[c], b_ends[g], low, window)
+
+
+def test_long_windows_and_ngrams_match_the_reference():
+    """Windows and n-gram lengths past the precomputed offsets (16) take the general branch."""
+    rng = np.random.default_rng(16)
+    for _ in range(60):
+        seqs = [
+            np.resize(rng.integers(0, 4, int(rng.integers(1, 9))), int(rng.integers(0, 80))) for _ in range(3)
+        ]
+        ngram_min = int(rng.integers(1, 18))
+        ngram_max = ngram_min + int(rng.integers(0, 4))
+        window = int(rng.choice([8, 17, 24]))
+        lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+        flat = np.concatenate(seqs).astype(np.int32)
+        got = find_ngram_drafts(
+            flat, np.cumsum(lengths) - lengths, lengths, ngram_min, ngram_max, np.full(3, 4), window
+        )
+        for s, row in zip(seqs, got, strict=True):
+            want = _reference(s.tolist(), ngram_min, ngram_max, 4, window, MAX_RANKED_TIES)
+            assert find_ngram_draft(s, ngram_min, ngram_max, 4, window).tolist() == want
+            assert row == want
 
 
 def _periodic(rng: np.random.Generator, period: np.ndarray, length: int, noise: float) -> np.ndarray:
