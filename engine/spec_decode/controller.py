@@ -3,7 +3,8 @@
 Two one-line call sites:
   engine, after `scheduler.update`:     spec.after_step(sched, result, scheduler.running)
       (learns the step's acceptance, then sets `spec_token_ids` of the sequences that draft)
-  runner, when a step carries drafts:   result = spec.sample(logits, meta, groups)
+  runner, when a step carries drafts:   argmax = spec.launch_greedy(logits, meta)  (launch)
+                                        result = spec.sample(logits, meta, groups, argmax)  (collect)
 The scheduler schedules each draft as one more new token of its sequence and rolls the KV
 cache back (`KVCacheManager.truncate`) past the first rejected draft; the runner lays out
 k + 1 logits rows per verifying sequence.
@@ -27,7 +28,7 @@ from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
 from pagedinfer.engine.spec_decode.proposer import DraftRequest, Proposer
 from pagedinfer.engine.spec_decode.verifier import SpecVerifier
-from pagedinfer.engine.worker.model_runner import VerifyGroup
+from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
 
 
 class SpeculativeDecoder:
@@ -125,11 +126,19 @@ class SpeculativeDecoder:
         self._known.discard(seq_id)
 
     # ---- runner: a step with verification groups ----------------------------------------------
+    def launch_greedy(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """An all-greedy step's [N] argmax per row, enqueued at launch (None: not all greedy)."""
+        return self.verifier.launch_greedy(logits, meta)
+
     def sample(
-        self, logits: torch.Tensor, meta: SamplingMetadata, groups: Sequence[VerifyGroup]
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        groups: Sequence[VerifyGroup],
+        argmax: HostTokenIds | None = None,  # launch_greedy's result on the host
     ) -> ModelRunnerOutput:
         """Tokens for every group of the step: accepted drafts + one, or one ordinary draw."""
-        return self.verifier.sample(logits, meta, groups, self._draft_probs)
+        return self.verifier.sample(logits, meta, groups, self._draft_probs, argmax)
 
     # ---- engine: after scheduler.update ---------------------------------------------------------
     def after_step(

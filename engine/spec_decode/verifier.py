@@ -9,9 +9,11 @@ output is token-for-token the non-speculative output and sampled output has exac
 distribution; groups without drafts reduce to one ordinary draw with the same seeded noise as
 `Sampler.draw`.
 
-An all-greedy step takes a host path: one argmax over the rows on the device, one copy of [N]
-ids to the host, and the acceptance decided in numpy (`greedy_num_accepted`), with the same
-result as the rejection sampler's greedy path and no per-group tensors to stage.
+An all-greedy step takes a host path: one argmax over the rows on the device, enqueued with its
+copy of [N] ids to the host when the step launches (`launch_greedy`, the runner's pinned copy
+and end event), and the acceptance decided on the host, with the same result as the rejection
+sampler's greedy path and no per-group tensors to stage: a Python prefix match for up to
+MAX_LISTED_GROUPS groups (fewer calls than numpy), else numpy (`greedy_num_accepted`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from pagedinfer.engine.sample.rejection_sampler import (
     greedy_num_accepted,
 )
 from pagedinfer.engine.sample.sampler import Sampler, is_plain_greedy
-from pagedinfer.engine.worker.model_runner import VerifyGroup
+from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
+
+# Up to this many groups an all-greedy step decides acceptance in Python lists: ~1 us a group
+# against ~25 us of numpy calls (plus the group arrays) on the CPU machine.
+MAX_LISTED_GROUPS = 16
 
 
 class SpecVerifier:
@@ -40,17 +46,31 @@ class SpecVerifier:
         self.sampler = sampler
         self.rejection_sampler = rejection_sampler or RejectionSampler()
 
+    def launch_greedy(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """[N] argmax per row of an all-greedy step, enqueued (None: some row samples)."""
+        if not meta.all_greedy:
+            return None
+        # Penalties or bans edit the logits first; otherwise the raw argmax is the token.
+        processed = logits if is_plain_greedy(meta) else self.sampler.process(logits, meta)  # [N, V]
+        return processed.argmax(dim=-1)
+
     def sample(
         self,
         logits: torch.Tensor,  # [N, V] raw target logits, rows laid out by `groups`
         meta: SamplingMetadata,  # one entry per row
         groups: Sequence[VerifyGroup],
         draft_probs: Mapping[int, torch.Tensor] | None = None,  # seq_id -> [>= k, V] q; else point mass
+        argmax: HostTokenIds | None = None,  # launch_greedy's ids on the host; None: computed here
     ) -> ModelRunnerOutput:
-        arrays = _GroupArrays.of(groups)
         if meta.all_greedy:  # draft probabilities play no part in greedy acceptance
-            token_lists = self._greedy_tokens(logits, meta, arrays)
+            if argmax is None:
+                argmax = HostTokenIds(self.launch_greedy(logits, meta).cpu())
+            if len(groups) <= MAX_LISTED_GROUPS:
+                return self._greedy_listed(logits, meta, groups, argmax)
+            arrays = _GroupArrays.of(groups)  # built before waiting for the device
+            token_lists = greedy_tokens(argmax.numpy(), arrays)  # the step's one device sync
         else:
+            arrays = _GroupArrays.of(groups)
             processed = self.sampler.process(logits, meta)  # [N, V]
             inputs = _rejection_inputs(processed, meta, arrays, groups, draft_probs or {})
             token_lists = self.rejection_sampler(inputs).to_lists()  # the step's one device sync
@@ -64,16 +84,45 @@ class SpecVerifier:
         num_verified = int(np.count_nonzero(arrays.num_drafts))
         return ModelRunnerOutput(sampled, num_drafts, num_accepted, num_verified_seqs=num_verified)
 
-    def _greedy_tokens(
-        self, logits: torch.Tensor, meta: SamplingMetadata, arrays: _GroupArrays
-    ) -> list[list[int]]:
-        """Emitted tokens per group of an all-greedy step: argmaxes up to the first mismatch."""
-        # Penalties or bans edit the logits first; otherwise the raw argmax is the token.
-        processed = logits if is_plain_greedy(meta) else self.sampler.process(logits, meta)  # [N, V]
-        argmax = processed.argmax(dim=-1).cpu().numpy()  # [N] the step's one device sync
-        target = argmax[arrays.index]  # [B, K + 1]
-        num_tokens = greedy_num_accepted(target, arrays.draft_token_ids, arrays.num_drafts) + 1  # [B]
-        return [row[:n] for row, n in zip(target.tolist(), num_tokens.tolist(), strict=True)]
+    @staticmethod
+    def _greedy_listed(
+        logits: torch.Tensor, meta: SamplingMetadata, groups: Sequence[VerifyGroup], argmax: HostTokenIds
+    ) -> ModelRunnerOutput:
+        """`sample` of an all-greedy step of few groups, in Python lists."""
+        num_drafts = sum(len(g.draft_token_ids) for g in groups)
+        num_verified = sum(1 for g in groups if g.draft_token_ids)
+        token_lists = greedy_token_lists(argmax.numpy().tolist(), groups)  # the step's one device sync
+        num_accepted = sum(len(t) for t in token_lists) - len(token_lists)
+        if meta.max_num_logprobs < 0:
+            sampled = [SampledTokens(g.seq_id, t) for g, t in zip(groups, token_lists, strict=True)]
+        else:
+            logprobs = _logprobs(logits, meta, groups, token_lists)
+            sampled = [
+                SampledTokens(g.seq_id, t, lp) for g, t, lp in zip(groups, token_lists, logprobs, strict=True)
+            ]
+        return ModelRunnerOutput(sampled, num_drafts, num_accepted, num_verified_seqs=num_verified)
+
+
+def greedy_tokens(argmax: np.ndarray, arrays: _GroupArrays) -> list[list[int]]:
+    """Emitted tokens per group of an all-greedy step: argmaxes [N] up to the first mismatch."""
+    target = argmax[arrays.index]  # [B, K + 1]
+    num_tokens = greedy_num_accepted(target, arrays.draft_token_ids, arrays.num_drafts) + 1  # [B]
+    return [row[:n] for row, n in zip(target.tolist(), num_tokens.tolist(), strict=True)]
+
+
+def greedy_token_lists(argmax: list[int], groups: Sequence[VerifyGroup]) -> list[list[int]]:
+    """`greedy_tokens` in plain Python: each group's argmaxes while its drafts equal them."""
+    out = []
+    for g in groups:
+        row = g.first_row
+        tokens = [argmax[row]]
+        for draft in g.draft_token_ids:
+            if draft != tokens[-1]:
+                break
+            row += 1
+            tokens.append(argmax[row])
+        out.append(tokens)
+    return out
 
 
 class _GroupArrays:

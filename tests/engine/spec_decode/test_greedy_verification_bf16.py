@@ -25,6 +25,7 @@ from pagedinfer.engine.config import (
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.sampling_params import SamplingParams
+from pagedinfer.engine.spec_decode import verifier as verifier_module
 from pagedinfer.engine.spec_decode.controller import SpeculativeDecoder
 from pagedinfer.engine.spec_decode.draft_model import DraftModelProposer
 from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
@@ -89,7 +90,9 @@ def fp32_logits_baseline(tiny_llama_dir) -> dict[str, list[list[int]]]:
 
 
 def spy_on_verification(llm: LLM, monkeypatch) -> list[tuple[torch.dtype, frozenset[str]]]:
-    """Per verification step: the logits' dtype and which verifier stages ran."""
+    """Per verification step: the logits' dtype and which verifier stages ran, from its launch
+    (launch_greedy, "argmax" when it enqueued one) to its collect (sample, "launched" when it got
+    that argmax; "host" for the host acceptance)."""
     spec = llm.core.runner.spec_decoder
     verifier = spec.verifier
     steps: list[tuple[torch.dtype, frozenset[str]]] = []
@@ -98,25 +101,36 @@ def spy_on_verification(llm: LLM, monkeypatch) -> list[tuple[torch.dtype, frozen
     def tracing(name: str, fn: Callable) -> Callable:
         return lambda *args: ran.add(name) or fn(*args)
 
-    monkeypatch.setattr(verifier, "_greedy_tokens", tracing("host", verifier._greedy_tokens))
+    for fn in ("greedy_tokens", "greedy_token_lists"):
+        monkeypatch.setattr(verifier_module, fn, tracing("host", getattr(verifier_module, fn)))
     monkeypatch.setattr(verifier, "rejection_sampler", tracing("rejection", verifier.rejection_sampler))
     monkeypatch.setattr(verifier.sampler, "process", tracing("process", verifier.sampler.process))
-    sample = spec.sample
+    launch_greedy, sample = spec.launch_greedy, spec.sample
 
-    def sample_spy(logits, meta, groups):
+    def launch_spy(logits, meta):
         ran.clear()
-        out = sample(logits, meta, groups)
+        argmax = launch_greedy(logits, meta)
+        if argmax is not None:
+            ran.add("argmax")
+        return argmax
+
+    def sample_spy(logits, meta, groups, argmax=None):
+        if argmax is not None:
+            ran.add("launched")
+        out = sample(logits, meta, groups, argmax)
         steps.append((logits.dtype, frozenset(ran)))
         return out
 
+    monkeypatch.setattr(spec, "launch_greedy", launch_spy)
     monkeypatch.setattr(spec, "sample", sample_spy)
     return steps
 
 
 # Per run: the verification steps' logits dtype and verifier stages (one kind for every step).
+HOST = frozenset({"argmax", "launched", "host"})  # argmax enqueued at launch, acceptance on the host
 CASES = [
-    ("greedy", GREEDY, (torch.bfloat16, frozenset({"host"}))),  # the fast path
-    ("penalized", PENALIZED, (torch.float32, frozenset({"host", "process"}))),
+    ("greedy", GREEDY, (torch.bfloat16, HOST)),  # the fast path
+    ("penalized", PENALIZED, (torch.float32, HOST | {"process"})),
     ("sampled", SAMPLED, (torch.float32, frozenset({"process", "rejection"}))),
 ]
 

@@ -16,8 +16,9 @@ from pagedinfer.engine.sample.metadata import build_sampling_metadata
 from pagedinfer.engine.sample.rejection_sampler import RejectionSampler, greedy_num_accepted
 from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.sampling_params import SamplingParams
+from pagedinfer.engine.spec_decode import verifier as verifier_module
 from pagedinfer.engine.spec_decode.verifier import SpecVerifier, _GroupArrays, _rejection_inputs
-from pagedinfer.engine.worker.model_runner import VerifyGroup
+from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
 
 VOCAB = 30
 
@@ -48,7 +49,9 @@ def _step(gen: torch.Generator, ks: list[int], params: SamplingParams):
     ],
 )
 @pytest.mark.parametrize("uniform", [True, False])
-def test_greedy_host_path_equals_rejection_sampler(params, uniform):
+@pytest.mark.parametrize("max_listed", [0, 100])  # acceptance in numpy, in Python lists
+def test_greedy_host_path_equals_rejection_sampler(params, uniform, max_listed, monkeypatch):
+    monkeypatch.setattr(verifier_module, "MAX_LISTED_GROUPS", max_listed)
     gen = torch.Generator().manual_seed(7)
     verifier = SpecVerifier(Sampler())
     num_accepted_seen = set()
@@ -69,6 +72,39 @@ def test_greedy_host_path_equals_rejection_sampler(params, uniform):
         assert fast.num_accepted_tokens == sum(len(t) - 1 for t in general)
         num_accepted_seen.update(len(t) - 1 for t in general)
     assert len(num_accepted_seen) >= 3  # rejections early, late and full acceptance all occur
+
+
+@pytest.mark.parametrize("num_logprobs", [None, 2])
+def test_listed_and_numpy_greedy_paths_and_a_launched_argmax_agree(num_logprobs, monkeypatch):
+    """The Python-list acceptance (few groups) against the numpy one, each with the argmax
+    computed in sample() and with the one launch_greedy enqueued (as the runner passes it)."""
+    gen = torch.Generator().manual_seed(11)
+    verifier = SpecVerifier(Sampler())
+    params = SamplingParams(temperature=0.0, logprobs=num_logprobs)
+    num_accepted = 0
+    for _ in range(20):
+        ks = torch.randint(0, 5, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen).tolist()
+        groups, rows, logits = _step(gen, ks, params)
+        meta = build_sampling_metadata(rows, VOCAB, torch.device("cpu"), [(2,)] * len(rows))
+        outs = []
+        for max_listed in (0, 100):
+            monkeypatch.setattr(verifier_module, "MAX_LISTED_GROUPS", max_listed)
+            launched = HostTokenIds(verifier.launch_greedy(logits, meta))
+            outs += [
+                verifier.sample(logits, meta, groups),
+                verifier.sample(logits, meta, groups, None, launched),
+            ]
+        first = outs[0]
+        num_accepted += first.num_accepted_tokens
+        for out in outs[1:]:
+            assert out.sampled == first.sampled
+            assert (out.num_draft_tokens, out.num_accepted_tokens, out.num_verified_seqs) == (
+                first.num_draft_tokens,
+                first.num_accepted_tokens,
+                first.num_verified_seqs,
+            )
+        assert (first.sampled[0].logprobs is None) == (num_logprobs is None)
+    assert num_accepted > 20  # drafts were accepted, not only rejected
 
 
 def test_greedy_num_accepted_equals_the_torch_greedy_path():
