@@ -113,12 +113,10 @@ def _add_runs(match_len: np.ndarray, same: np.ndarray) -> None:
 def _best_context(tokens: np.ndarray, a_ends: np.ndarray, b_end: int, window: int) -> np.ndarray:
     """Mask [C] of the candidates with the most context overlap (`grouped_context_overlap`) with
     the one window ending at b_end, for a sequence that starts at 0, in fewer numpy calls."""
-    steps = _steps(window)
-    b_pos = b_end - steps  # [W]
-    b_tok = np.sort(tokens[b_pos[b_pos >= 0]])  # [<= W] the suffix's window (positions before 0 are out)
+    b_tok = np.sort(tokens[max(b_end - window + 1, 0) : b_end + 1])  # [<= W] the suffix's window
     if b_tok.size == 0:
         return np.ones(a_ends.shape, dtype=bool)  # every overlap is 0
-    a_pos = a_ends[:, None] - steps  # [C, W]
+    a_pos = a_ends[:, None] - _steps(window)  # [C, W]
     a_tok = tokens[np.maximum(a_pos, 0)]  # [C, W]
     seen = b_tok[np.minimum(np.searchsorted(b_tok, a_tok), b_tok.size - 1)] == a_tok  # [C, W]
     overlap = (seen & (a_pos >= 0)).sum(axis=1)  # [C]
