@@ -115,11 +115,6 @@ step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR" --hf-requests 32
 # message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
 step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads ngram,pair \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
-# the same n-gram rows at batch 1 with the norm folded into the verification's 2-16-row GEMVs
-# (PAGEDINFER_NORM_GEMV_ROWS=1, opt-in), into OUTDIR/norm_rows/
-probe spec_norm_rows env PAGEDINFER_NORM_GEMV_ROWS=1 "$PY" -P bench/speculative.py --device cuda \
-  --out "$OUTDIR/norm_rows" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1 \
-  --ks 2,4,6 --max-tokens 128 --refill 0
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,
