@@ -7,10 +7,6 @@ weight copies (cold L2) and (b) the whole step's chain of linear layers as the m
 (32 x [norm, qkv, o, norm, gate_up, down]), each way: "separate" = fused_ops.add_rms_norm then
 gemv, "folded" = add_norm_gemv. The floor is the weight bytes over the device-to-device copy
 bandwidth measured in the same run; prints each side's ratio to it and separate / folded.
-(c) The 2-16-row fold of short rows (add_norm_gemv_rows: a speculative verification's K + 1
-rows; K <= norm_gemv.MAX_ROWS_K) against the norm kernel + the dot GEMV at SmolLM2 and
-Qwen2-0.5B shapes and 2 / 5 / 8 / 16 rows, each over enough weight copies to leave L2: what
-switching it on (PAGEDINFER_NORM_GEMV_ROWS=1) rests on.
 
     python bench/norm_gemv.py --out OUTDIR [--rep-ms 40]
 
@@ -32,7 +28,7 @@ from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
 
 from pagedinfer.kernels import fused_ops  # noqa: E402
 from pagedinfer.kernels.gemv import config_for, gemv  # noqa: E402
-from pagedinfer.kernels.norm_gemv import add_norm_gemv, add_norm_gemv_rows  # noqa: E402
+from pagedinfer.kernels.norm_gemv import add_norm_gemv  # noqa: E402
 
 HIDDEN, INTER, LAYERS, EPS = 4096, 14336, 32, 1e-5
 SHAPES = {
@@ -50,60 +46,6 @@ def separate(x, res, g, w):
 
 def folded(x, res, g, w):
     return add_norm_gemv(x, res, g, EPS, w, None, config_for(1, *w.shape))[0]
-
-
-# (name, N, K, weight copies): SmolLM2-135M's qkv / gate_up, Qwen2-0.5B's qkv / gate_up
-ROW_SHAPES = [
-    ("smollm2 qkv", 960, 576, 128),
-    ("smollm2 gate_up", 3072, 576, 48),
-    ("qwen2-0.5b qkv", 1152, 896, 96),
-    ("qwen2-0.5b gate_up", 9728, 896, 16),
-]
-ROW_COUNTS = (2, 5, 8, 16)
-
-
-def rows_table(copy_gbps: float, rep_ms: int, dtype, say) -> list[dict]:
-    """(c): folded vs separate at 2-16 rows, graph-timed over distinct weight copies."""
-    out = []
-    for name, n, k, copies in ROW_SHAPES:
-        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
-        g = 1.0 + 0.1 * torch.randn(k, device="cuda", dtype=dtype)
-        floor_us = n * k * 2 / (copy_gbps * 1e9) * 1e6
-        for rows in ROW_COUNTS:
-            x, res = (torch.randn(rows, k, device="cuda", dtype=dtype) for _ in range(2))
-            config = config_for(rows, n, k)
-
-            def sep(w, x=x, res=res, g=g, config=config):
-                normed, _ = fused_ops.add_rms_norm(x, res, g, EPS, "triton")
-                return gemv(normed, w, None, config)
-
-            def fold(w, x=x, res=res, g=g, config=config):
-                return add_norm_gemv_rows(x, res, g, EPS, w, None)[0]
-
-            a, b = sep(weights[0]).float(), fold(weights[0]).float()
-            t = {
-                label: 1e3 * _bench_graph([lambda w=w, fn=fn: fn(w) for w in weights], rep_ms)
-                for label, fn in (("separate", sep), ("folded", fold))
-            }
-            row = {
-                "shape": name,
-                "n": n,
-                "k": k,
-                "rows": rows,
-                "floor_us": floor_us,
-                "separate_us": t["separate"],
-                "folded_us": t["folded"],
-                "separate_over_folded": t["separate"] / t["folded"],
-                "rel_diff": float((a - b).norm() / a.norm()),
-            }
-            out.append(row)
-            say(
-                f"{name:16s} {rows:2d} rows: floor {floor_us:6.1f} us | separate {t['separate']:6.1f} | "
-                f"folded {t['folded']:6.1f} | separate/folded {row['separate_over_folded']:.3f}x | "
-                f"rel diff {row['rel_diff']:.1e}"
-            )
-        del weights
-    return out
 
 
 def main() -> int:
@@ -180,7 +122,6 @@ def main() -> int:
         f"({t['separate'] / floor_ms:.3f}x) | folded {t['folded']:.3f} ms ({t['folded'] / floor_ms:.3f}x) "
         f"| saved {1e3 * (t['separate'] - t['folded']):.0f} us a step"
     )
-    results["rows"] = rows_table(copy_gbps, args.rep_ms, dtype, say)
     results["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (args.out / "norm_gemv.json").write_text(json.dumps(results, indent=1))
     (args.out / "norm_gemv_summary.txt").write_text("\n".join(lines) + "\n")

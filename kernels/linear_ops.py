@@ -4,7 +4,7 @@ A decode step of a few tokens reads every weight once for a few multiply-adds pe
 `kernels/gemv.py` streams the weights closer to the copy bandwidth than torch's GEMM (measured in
 bench/gemv.py). Everything else (prefill, large batches, the CPU, fp32/fp64) is `F.linear`.
 `norm_linear` is the same with the RMSNorm before it (and its residual add) folded into one kernel
-at one row or a few short rows (kernels/norm_gemv.py), the fused norm and `linear` otherwise.
+at one row (kernels/norm_gemv.py), the fused norm and `linear` otherwise.
 Checks look at shapes and dtypes only, so a launch inside CUDA-graph capture never synchronizes.
 """
 
@@ -26,10 +26,8 @@ GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # the benchmarks); PAGEDINFER_GEMV_MAX_ROWS moves the row count up to which the kernel is used.
 GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
 GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "16")), 64)  # 64: gemv.MAX_ROWS
-# PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch);
-# PAGEDINFER_NORM_GEMV_ROWS=1 also folds it into the GEMV of 2-16 short rows (opt-in until measured).
+# PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch).
 NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
-NORM_GEMV_ROWS_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV_ROWS", "0") == "1"
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> bool:
@@ -92,9 +90,7 @@ def uses_norm_gemv(
     backend=None,
     bias: torch.Tensor | None = None,
 ) -> bool:
-    """A GEMV with the RMSNorm folded in: one row (kernels/norm_gemv.add_norm_gemv), or, where
-    switched on, 2-16 rows of at most MAX_ROWS_K (add_norm_gemv_rows); one dtype and device for
-    every operand.
+    """The one-row GEMV with the RMSNorm folded in: one row, one dtype and device for every operand.
 
     Shapes that do not match take the two-step path, whose checks name the problem. Triton is
     imported only once the GEMV applies (a CPU-only install has none).
@@ -103,16 +99,15 @@ def uses_norm_gemv(
         NORM_GEMV_ENABLED
         and fused_ops.FUSED_KERNELS_ENABLED
         and x.dim() == 2
-        and (x.shape[0] == 1 or NORM_GEMV_ROWS_ENABLED)
+        and x.shape[0] == 1
         and uses_gemv(x, weight, backend)
     ):
         return False
-    from pagedinfer.kernels.norm_gemv import MAX_ROW, MAX_ROWS, MAX_ROWS_K
+    from pagedinfer.kernels.norm_gemv import MAX_ROW
 
-    rows, k = x.shape
+    k = x.shape[1]
     return (
         k <= MAX_ROW
-        and (rows == 1 or (rows <= MAX_ROWS and k <= MAX_ROWS_K))
         and weight.shape[1] == k
         and (bias is None or (tuple(bias.shape) == (weight.shape[0],) and bias.device == x.device))
         and weight.device == x.device
@@ -144,19 +139,15 @@ def norm_linear(
     """(x, residual) [T, K] -> (rms_norm(h) @ weight.T (+ bias) [T, N], h [T, K]), h = x + residual.
 
     Without a residual h is x itself (a model's first layer). One kernel for a single row on the
-    GPU for one row or a few short rows (kernels/norm_gemv.py), else the fused norm (fused_ops)
-    followed by `linear`.
+    GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`.
     """
     if uses_norm_gemv(x, residual, norm_weight, weight, backend, bias):
         from pagedinfer.kernels import gemv, norm_gemv
 
-        if x.shape[0] == 1:
-            config, fold = gemv.config_for(1, weight.shape[0], weight.shape[1]), norm_gemv.add_norm_gemv
-        else:
-            config, fold = norm_gemv.ROWS_CONFIG, norm_gemv.add_norm_gemv_rows
+        config = gemv.config_for(1, weight.shape[0], weight.shape[1])
         out = _launch_if_fits(
-            ("norm", x.shape[0] > 1, config),
-            lambda: fold(x, residual, norm_weight, eps, weight, bias, config),
+            ("norm", config),
+            lambda: norm_gemv.add_norm_gemv(x, residual, norm_weight, eps, weight, bias, config),
         )
         if out is not None:
             return out

@@ -10,13 +10,6 @@ Same rounding steps as fused_reference.add_rms_norm (h rounded to x's dtype, fp3
 x_hat rounded to the dtype before the weight, the product rounded again), then the GEMV of
 kernels/gemv.py's `reduce` variant; only the order of the fp32 sums differs from the two-kernel
 path.
-
-`add_norm_gemv_rows` is the same fold for 2-16 rows (a speculative verification's K + 1 tokens)
-of short rows (K <= MAX_ROWS_K: SmolLM2's 576, Qwen2-0.5B's 896), where a verification step of a
-small model is a chain of launch- and latency-bound kernels: each program loads all rows in one
-tile, computes their statistics, normalizes, and multiplies by its weight tile on the tensor
-cores, one load of each with no loop (a two-pass version for any K measured slower than the norm
-kernel + GEMV pair on the H200, NOTES.md).
 """
 
 from __future__ import annotations
@@ -28,10 +21,6 @@ import triton.language as tl
 from pagedinfer.kernels.gemv import GemvConfig
 
 MAX_ROW = 16384  # widest row whose statistics one program computes in a single tile
-MAX_ROWS = 16  # add_norm_gemv_rows: rows of x, in one 16-row tensor-core tile
-MAX_ROWS_K = 1024  # add_norm_gemv_rows: K of one [16, K] tile of x and one [K, BLOCK_N] of W
-# add_norm_gemv_rows' launch: BLOCK_N weight rows a program (the variant and K tile are unused).
-ROWS_CONFIG = GemvConfig("dot", block_n=16, block_k=MAX_ROWS_K, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -129,118 +118,6 @@ def add_norm_gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_ROW=triton.next_power_of_2(k),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return y, residual_out
-
-
-@triton.jit
-def _add_norm_gemv_rows_kernel(
-    x_ptr,  # [M, K]
-    residual_ptr,  # [M, K] (unused without HAS_RESIDUAL)
-    norm_w_ptr,  # [K]
-    w_ptr,  # [N, K]
-    b_ptr,  # [N] or a dummy
-    y_ptr,  # [M, N]
-    residual_out_ptr,  # [M, K] (unused without HAS_RESIDUAL)
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_rm,
-    stride_wn,
-    stride_ym,
-    stride_hm,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    dtype = x_ptr.dtype.element_ty
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    k_mask = rk < K
-    n_mask = rn < N
-    mask = m_mask[:, None] & k_mask[None, :]
-    # The weight tile does not depend on x: its load is issued first and overlaps the norm.
-    w = tl.load(
-        w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None],
-        mask=n_mask[None, :] & k_mask[:, None],
-        other=0.0,
-    )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
-    h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + rm[:, None] * stride_rm + rk[None, :], mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)  # torch rounds x + residual
-        if pid == 0:
-            tl.store(residual_out_ptr + rm[:, None] * stride_hm + rk[None, :], h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(hf * hf, axis=1) / K + eps))  # [BLOCK_M]
-    x_hat = (hf * rstd[:, None]).to(dtype).to(tl.float32)
-    g = tl.load(norm_w_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-    x_in = (x_hat * g[None, :]).to(dtype)  # [BLOCK_M, BLOCK_K], what the norm kernel would write
-    acc = tl.dot(x_in, w)  # [BLOCK_M, BLOCK_N] fp32
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
-
-
-def add_norm_gemv_rows(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: GemvConfig = ROWS_CONFIG,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [M, K] (M <= MAX_ROWS, K <= MAX_ROWS_K; residual None: no add), norm_weight
-    [K], weight [N, K] -> (y [M, N], h [M, K]), h = x + residual (x itself without a residual).
-
-    Rows contiguous in their last dim, one dtype throughout (linear_ops.norm_linear checks that);
-    config sets BLOCK_N and the warps.
-    """
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= num_rows <= MAX_ROWS or k > MAX_ROWS_K:
-        raise ValueError(
-            f"add_norm_gemv_rows takes 1-{MAX_ROWS} rows of at most {MAX_ROWS_K} elements, got {tuple(x.shape)}"
-        )
-    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    has_residual = residual is not None
-    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format) if has_residual else x
-    _add_norm_gemv_rows_kernel[(triton.cdiv(n, config.block_n),)](
-        x,
-        residual if has_residual else x,
-        norm_weight,
-        weight,
-        bias if bias is not None else y,
-        y,
-        residual_out,
-        num_rows,
-        n,
-        k,
-        x.stride(0),
-        residual.stride(0) if has_residual else x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        residual_out.stride(0),
-        float(eps),
-        HAS_RESIDUAL=has_residual,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=16,
-        BLOCK_N=config.block_n,
-        BLOCK_K=max(16, triton.next_power_of_2(k)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -43,33 +43,14 @@ def test_check_catches_a_missing_norm_and_a_wrong_residual():
     assert not check(unnormed, ref_h, ref_y, ref_h, 24, torch.float32)["ok"]
     assert not check(ref_y.float(), x, ref_y, ref_h, 24, torch.float32)["ok"]
     assert check(ref_y.float(), ref_h, ref_y, ref_h, 24, torch.float32)["ok"]
-    # With several rows, normalizing every row by the statistics of all of them must fail too.
-    case = NormGemvCase("probe_rows", None, 24, 64, rows=4)
-    x, residual, g, w, b = make_inputs(case, torch.float32, "cpu", seed=4)
-    ref_y, ref_h = reference(x, residual, g, 1e-5, w, b)
-    pooled = ref_h * torch.rsqrt(ref_h.pow(2).mean() + 1e-5) * g
-    assert not check(torch.nn.functional.linear(pooled, w), ref_h, ref_y, ref_h, 24, torch.float32)["ok"]
 
 
-def test_dispatch_folds_one_row_or_a_few_short_rows_on_triton(monkeypatch):
-    from pagedinfer.kernels.norm_gemv import MAX_ROWS_K
-
+def test_dispatch_folds_only_one_row_on_triton():
     x, g, w = torch.randn(1, 32).half(), torch.rand(32).half(), torch.randn(8, 32).half()
     assert not linear_ops.uses_norm_gemv(x, None, g, w)  # CPU: the reference backend
     expected = linear_ops.GEMV_ENABLED and linear_ops.NORM_GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
     assert linear_ops.uses_norm_gemv(x, x.clone(), g, w, "triton") == expected
-    five = torch.randn(5, 32).half()
-    monkeypatch.setattr(linear_ops, "NORM_GEMV_ROWS_ENABLED", False)  # the default: opt-in
-    assert not linear_ops.uses_norm_gemv(five, five.clone(), g, w, "triton")
-    monkeypatch.setattr(linear_ops, "NORM_GEMV_ROWS_ENABLED", True)
-    rows = expected and linear_ops.GEMV_MAX_ROWS >= 16
-    assert linear_ops.uses_norm_gemv(five, five.clone(), g, w, "triton") == rows
-    assert linear_ops.uses_norm_gemv(torch.randn(16, 32).half(), None, g, w, "triton") == rows
-    assert not linear_ops.uses_norm_gemv(torch.randn(17, 32).half(), None, g, w, "triton")  # > 16 rows
-    wide = MAX_ROWS_K + 1  # rows longer than one tile: the two-step path
-    gw, ww = torch.rand(wide).half(), torch.randn(8, wide).half()
-    assert not linear_ops.uses_norm_gemv(torch.randn(2, wide).half(), None, gw, ww, "triton")
-    assert linear_ops.uses_norm_gemv(torch.randn(1, wide).half(), None, gw, ww, "triton") == expected
+    assert not linear_ops.uses_norm_gemv(torch.randn(2, 32).half(), None, g, w, "triton")  # 2 rows
     assert not linear_ops.uses_norm_gemv(x, None, g.float(), w, "triton")  # mixed dtypes
     assert not linear_ops.uses_norm_gemv(x, None, g[:16], w, "triton")  # wrong norm shape
     assert not linear_ops.uses_norm_gemv(x, None, g, w[:, :16], "triton")  # weight K != x's K
@@ -124,39 +105,6 @@ def test_engine_configs_at_full_shapes(dtype, residual, n, k, bias):
     result = check(y, h, *reference(x, r, g, 1e-5, w, b), n, dtype)
     assert result["ok"], result
     # And through the launcher the model calls: the same kernel (unless switched off for the run).
-    if linear_ops.uses_norm_gemv(x, r, g, w, None, b):
-        y2, _ = linear_ops.norm_linear(x, r, g, 1e-5, w, b)
-        assert torch.equal(y2, y)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first"])
-@pytest.mark.parametrize(
-    "rows,n,k,bias",
-    [
-        (5, 960, 576, False),
-        (16, 3072, 576, False),
-        (2, 576, 1536, False),
-        (7, 1152, 896, True),
-        (3, 9728, 896, True),
-    ],
-)
-def test_folded_rows_at_engine_shapes(monkeypatch, dtype, residual, rows, n, k, bias):
-    """2-16 rows at SmolLM2 / Qwen2-0.5B layer shapes (K <= 1024; a K over it is refused)."""
-    from pagedinfer.kernels import norm_gemv
-
-    case = NormGemvCase("gpu_rows", norm_gemv.ROWS_CONFIG, n, k, residual=residual, bias=bias, rows=rows)
-    x, r, g, w, b = make_inputs(case, dtype, "cuda", seed=rows + n + k)
-    if k > norm_gemv.MAX_ROWS_K:
-        with pytest.raises(ValueError, match="at most"):
-            norm_gemv.add_norm_gemv_rows(x, r, g, 1e-5, w, b)
-        return
-    y, h = norm_gemv.add_norm_gemv_rows(x, r, g, 1e-5, w, b)
-    result = check(y, h, *reference(x, r, g, 1e-5, w, b), n, dtype)
-    assert result["ok"], result
-    monkeypatch.setattr(linear_ops, "NORM_GEMV_ROWS_ENABLED", True)
     if linear_ops.uses_norm_gemv(x, r, g, w, None, b):
         y2, _ = linear_ops.norm_linear(x, r, g, 1e-5, w, b)
         assert torch.equal(y2, y)
