@@ -219,7 +219,14 @@ def run_workload(
             if refill:
                 pool = w.prompts(refill * batch)
                 plain_loop = refilled(core, pool, batch, greedy, False)
-                row.update(refilled_row(plain_loop, refilled(core, pool, batch, greedy, True), row))
+                before = replace(core.spec_decoder.stats)
+                fast_loop = refilled(core, pool, batch, greedy, True)
+                stats = core.spec_decoder.stats
+                verifying = stats.num_verified_sequences - before.num_verified_sequences
+                emitted = stats.num_emitted_tokens - before.num_emitted_tokens
+                alpha = solve_alpha(emitted / verifying if verifying else 1.0, k)
+                theory = theoretical_speedup(alpha, k, row["c"])
+                row.update(refilled_row(plain_loop, fast_loop, alpha, theory))
             rows.append(row)
             print(w.name, json.dumps(row), flush=True)
     return rows

@@ -129,16 +129,19 @@ def phase_medians(run, batch: int) -> dict[str, float]:
     return {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]} if phases else {}
 
 
-def refilled_row(base, fast, row: dict) -> dict:
+def refilled_row(base, fast, alpha: float, theory: float) -> dict:
     """A batch kept full by new requests (continuous batching's steady state), both modes on the
-    same pool of prompts; the formula's alpha and c come from the fixed-batch run of the row."""
+    same pool of prompts; alpha is the refilled speculative run's own (its prompts are not the
+    fixed-batch run's), theory the formula at that alpha and the row's c."""
     speedup = fast.steady_tok_s / base.steady_tok_s
     return {
         "refilled_base_tok_s": round(base.steady_tok_s, 2),
         "refilled_spec_tok_s": round(fast.steady_tok_s, 2),
         "refilled_steps": [base.steady_steps, fast.steady_steps],
+        "refilled_alpha": round(alpha, 4),
+        "refilled_theoretical_speedup": round(theory, 3),
         "refilled_speedup": round(speedup, 3),
-        "refilled_over_theoretical": round(speedup / row["theoretical_speedup"], 3),
+        "refilled_over_theoretical": round(speedup / theory, 3),
     }
 
 
