@@ -97,23 +97,36 @@ def _prefetch_variants(batch: int) -> dict:
             out[label] = factory
     if batch * cases.LLAMA.num_kv_heads >= da.SMALL_GRID:
         return out
-    # Small grids: told configs with smaller tiles, where the prefetch has more tiles a program to
-    # help (at 1x8192 the told 64-token config has two; its registers sit at the cliff), 2 warps
-    # (more programs an SM), the 64-token tile on 8 warps (half the registers a thread), and the
-    # 32-token told config without the prefetch (at 1x2048 it is the default: a noise check there).
-    for label, config in PREFETCH_SMALL_VARIANTS.items():
-        out[label] = lambda x, config=config: (
-            lambda: cases.triton_decode(*_args(x), config=config, max_context_len=x["context"])
+    # Small grids: the told configs around the v10 default (32/2/3 + capacity splits + prefetch
+    # from 2048-token bounds) and v7's 64-token told tile for reference; and candidates for the
+    # table-only path (CUDA-graph steps, no bound, no capacity splits), which v10 left unchanged.
+    for label, (config, told) in PREFETCH_SMALL_VARIANTS.items():
+        bound = (lambda x: {"max_context_len": x["context"]}) if told else (lambda x: {})
+        out[label] = lambda x, config=config, bound=bound: (
+            lambda: cases.triton_decode(*_args(x), config=config, **bound(x))
         )
     return out
 
 
-PREFETCH_SMALL_VARIANTS = {
-    "told 32/4/3 cap +prefetch": DecodeConfig(32, 4, 3, min_split_tokens=32, prefetch_ids=True, **BOUNDED),
-    "told 32/2/3 cap +prefetch": DecodeConfig(32, 2, 3, min_split_tokens=32, prefetch_ids=True, **BOUNDED),
-    "told 16/2/3 cap +prefetch": DecodeConfig(16, 2, 3, min_split_tokens=16, prefetch_ids=True, **BOUNDED),
-    "told 64/8/3 cap +prefetch": DecodeConfig(64, 8, 3, prefetch_ids=True, **BOUNDED),
-    "told 32/4/3 cap": DecodeConfig(32, 4, 3, min_split_tokens=32, **BOUNDED),
+TABLE = {"q_in_loop": True}  # the table-only small-grid config's fields (default_config)
+PREFETCH_SMALL_VARIANTS = {  # label -> (config, told the longest context)
+    "told 64/4/3 cap (v7)": (DecodeConfig(64, 4, 3, **BOUNDED), True),
+    "told 16/2/3 cap +prefetch": (
+        DecodeConfig(16, 2, 3, min_split_tokens=16, prefetch_ids=True, **BOUNDED),
+        True,
+    ),
+    "told 32/2/4 cap +prefetch": (
+        DecodeConfig(32, 2, 4, min_split_tokens=32, prefetch_ids=True, **BOUNDED),
+        True,
+    ),
+    "table 32/2/3 +prefetch": (
+        DecodeConfig(32, 2, 3, min_split_tokens=32, prefetch_ids=True, **TABLE),
+        False,
+    ),
+    "table 16/2/3 +prefetch": (
+        DecodeConfig(16, 2, 3, min_split_tokens=16, prefetch_ids=True, **TABLE),
+        False,
+    ),
 }
 
 
