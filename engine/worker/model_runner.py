@@ -272,6 +272,9 @@ class ModelRunner:
                 else:
                     argmax = HostTokenIds(pending.host_token_ids, pending.end)
             result = self.spec_decoder.sample(pending.logits, pending.meta, pending.groups, argmax)
+            if pending.end is not None and pending.meta.max_num_logprobs >= 0:
+                # The end event was recorded at launch; logprob kernels ran since: busy, not idle.
+                pending.end = None
         else:
             token_ids = pending.sampled.token_ids
             if pending.host_token_ids is not None:
