@@ -89,23 +89,23 @@ def _prefetch_variants(batch: int) -> dict:
         for prefetch in (False, True):
             label = ("told" if told else "table") + (" +prefetch" if prefetch else "")
 
-            def factory(x, told=told, prefetch=prefetch):
-                config = replace(_launcher_config(x, told), prefetch_ids=prefetch)
-                bound = {"max_context_len": x["context"]} if told else {}
-                return lambda: cases.triton_decode(*_args(x), config=config, **bound)
-
-            out[label] = factory
+            out[label] = lambda x, told=told, prefetch=prefetch: _decode_call(
+                x, replace(_launcher_config(x, told), prefetch_ids=prefetch), told
+            )
     if batch * cases.LLAMA.num_kv_heads >= da.SMALL_GRID:
         return out
     # Small grids: the told configs around the v10 default (32/2/3 + capacity splits + prefetch
     # from 2048-token bounds) and v7's 64-token told tile for reference; and candidates for the
     # table-only path (CUDA-graph steps, no bound, no capacity splits), which v10 left unchanged.
     for label, (config, told) in PREFETCH_SMALL_VARIANTS.items():
-        bound = (lambda x: {"max_context_len": x["context"]}) if told else (lambda x: {})
-        out[label] = lambda x, config=config, bound=bound: (
-            lambda: cases.triton_decode(*_args(x), config=config, **bound(x))
-        )
+        out[label] = lambda x, config=config, told=told: _decode_call(x, config, told)
     return out
+
+
+def _decode_call(x: dict, config: DecodeConfig, told: bool):
+    """The timed call: config on x's cache, told x's context as max_context_len or not."""
+    bound = {"max_context_len": x["context"]} if told else {}
+    return lambda: cases.triton_decode(*_args(x), config=config, **bound)
 
 
 TABLE = {"q_in_loop": True}  # the table-only small-grid config's fields (default_config)

@@ -87,6 +87,14 @@ def baseline(core, prompts: list[list[int]], greedy: SamplingParams):
     return base, steps[len(steps) // 2]  # the run, its median plain decode step (ms)
 
 
+def alpha_since(before, stats, k: int) -> float:
+    """Acceptance alpha solved from the mean tokens emitted per verifying sequence-step between
+    two snapshots of the decoder's stats."""
+    verifying = stats.num_verified_sequences - before.num_verified_sequences
+    emitted = stats.num_emitted_tokens - before.num_emitted_tokens
+    return solve_alpha(emitted / verifying if verifying else 1.0, k)
+
+
 def measure(
     core, prompts: list[list[int]], base, base_step_ms: float, greedy: SamplingParams, k: int
 ) -> dict:
@@ -106,7 +114,7 @@ def measure(
     paused = stats.num_paused_sequence_steps - before.num_paused_sequence_steps
     emitted = stats.num_emitted_tokens - before.num_emitted_tokens
     mean_emitted = emitted / verifying if verifying else 1.0
-    alpha = solve_alpha(mean_emitted, k)
+    alpha = alpha_since(before, stats, k)
     # c: one draft token's proposer time per step over one plain decode step of the same batch.
     c = (timer.median_s / k) / (base_step_ms / 1e3)
     theory = theoretical_speedup(alpha, k, c)
@@ -221,10 +229,7 @@ def run_workload(
                 plain_loop = refilled(core, pool, batch, greedy, False)
                 before = replace(core.spec_decoder.stats)
                 fast_loop = refilled(core, pool, batch, greedy, True)
-                stats = core.spec_decoder.stats
-                verifying = stats.num_verified_sequences - before.num_verified_sequences
-                emitted = stats.num_emitted_tokens - before.num_emitted_tokens
-                alpha = solve_alpha(emitted / verifying if verifying else 1.0, k)
+                alpha = alpha_since(before, core.spec_decoder.stats, k)
                 theory = theoretical_speedup(alpha, k, row["c"])
                 row.update(refilled_row(plain_loop, fast_loop, alpha, theory))
             rows.append(row)
