@@ -127,9 +127,10 @@ def assemble_engine(
         vocab_size=mc.vocab_size,
         seed=config.seed,
         spec_decoder=spec,
-        # Speculative steps stay synchronous: their drafts depend on the tokens of the step before.
-        async_scheduling=spec is None
-        and (sched_cfg.async_scheduling if sched_cfg.async_scheduling is not None else device.type == "cuda"),
+        # With a speculative decoder, steps whose batch drafts stay synchronous (EngineCore)
+        async_scheduling=(
+            sched_cfg.async_scheduling if sched_cfg.async_scheduling is not None else device.type == "cuda"
+        ),
     )
     logger.info(
         "engine ready: %d KV blocks of %d slots, max_model_len %d on %s",

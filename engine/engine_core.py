@@ -225,8 +225,11 @@ class EngineCore:
         updates = self.scheduler.update(sched, result)
         if self._inflight is not None:
             resolve_lookahead(self.scheduler, self._inflight[0])
-        if self.spec_decoder is not None:  # learn acceptance, draft the next step's tokens
-            self.spec_decoder.after_step(sched, result, self.scheduler.running)
+        if self.spec_decoder is not None:
+            if self._inflight is None:  # learn acceptance, draft the next step's tokens
+                self.spec_decoder.after_step(sched, result, self.scheduler.running)
+            else:  # the next step is already launched without drafts: only learn
+                self.spec_decoder.observe(sched, result)
         self.last_step_phases = StepPhases(
             t_sched - start,
             t_forward - t_sched,
@@ -245,7 +248,8 @@ class EngineCore:
 
     def _launch_lookahead(self, sched: SchedulerOutput, pending) -> None:
         """Plan step N+1 from the launched step N and enqueue it behind N on the device."""
-        if self.spec_decoder is not None:  # drafts are proposed after update(): no lookahead
+        # Drafts are proposed after update(): a batch that may draft next step stays synchronous.
+        if self.spec_decoder is not None and self.spec_decoder.may_draft(self.scheduler.running):
             return
         nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:

@@ -58,6 +58,13 @@ class SpeculativeDecoder:
         if capture is not None:
             capture(min(max_num_seqs, self.config.max_batch_size), self.max_model_len)
 
+    def may_draft(self, running: Sequence[Request]) -> bool:
+        """Whether a step over `running` could carry drafts (else it may be planned ahead, before
+        this step's tokens are known: async scheduling)"""
+        return self.policy.is_step_enabled(len(running)) and any(
+            seq.sampling_params.use_speculation for seq in running
+        )
+
     def propose(self, running: Sequence[Request]) -> int:
         """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""
         self._draft_probs.clear()

@@ -210,3 +210,36 @@ def test_step_stats_count_verified_sequences(tiny_llama_dir):
     stats = llm.core.spec_decoder.stats
     assert sum(s.num_verified_seqs for s in steps) == stats.num_verified_sequences > 0
     assert sum(s.num_accepted_tokens for s in steps) == stats.num_accepted_tokens
+
+
+def test_async_scheduling_runs_where_no_sequence_drafts(tiny_llama_dir, baseline):
+    """A speculative engine plans steps ahead (lookahead) while nothing in the batch may draft:
+    requests that opt out, or a batch above max_batch_size; steps that may draft stay
+    synchronous. Outputs stay identical and no block leaks either way."""
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    llm = make_llm(tiny_llama_dir, ngram, async_scheduling=True)
+    assert llm.core.async_scheduling
+    off = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, use_speculation=False)
+    assert generate(llm, off) == baseline
+    assert llm.core.num_lookahead_steps > 0
+    assert llm.core.spec_decoder.stats.num_draft_tokens == 0
+    assert_no_leak(llm)
+    steps = llm.core.num_lookahead_steps
+    assert generate(llm) == baseline  # every request drafts: no lookahead step
+    assert llm.core.num_lookahead_steps == steps
+    assert llm.core.spec_decoder.stats.num_draft_tokens > 0
+    assert_no_leak(llm)
+    # 7 running > max_batch_size 2: lookahead steps until only 2 are left, then drafts
+    capped = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch_size=2)
+    big = make_llm(tiny_llama_dir, capped, async_scheduling=True)
+    lengths = [SamplingParams(max_tokens=8 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
+    expected = [o.token_ids for o in baseline_llm_outputs(tiny_llama_dir, lengths)]
+    assert [
+        o.token_ids for o in big.generate(prompt_token_ids=prompts(), sampling_params=lengths)
+    ] == expected
+    assert big.core.num_lookahead_steps > 0 and big.core.spec_decoder.stats.num_draft_tokens > 0
+    assert_no_leak(big)
+
+
+def baseline_llm_outputs(folder, params):
+    return make_llm(folder).generate(prompt_token_ids=prompts(), sampling_params=params)
