@@ -192,6 +192,11 @@ class PyBlockManager {
     locked(ids.size() >= kBulkSequences,
            [&](pi::BlockManager& c) { c.set_last_tokens(ids.data(), tokens.data(), ids.size()); });
   }
+  void set_tokens(int64_t seq_id, int64_t start, py::handle token_ids) {
+    IntArray<int32_t> tokens(token_ids, "token_ids");
+    locked(tokens.size() >= kBulkTokens,
+           [&](pi::BlockManager& c) { c.set_tokens(seq_id, start, tokens.data(), tokens.size()); });
+  }
   void mark_computed(py::handle seq_ids, py::handle num_computed) {
     IntArray<int64_t> ids(seq_ids, "seq_ids");
     IntArray<int32_t> nums(num_computed, "num_computed_tokens");
@@ -319,6 +324,9 @@ PYBIND11_MODULE(_native, m) {
           py::arg("seq_id"))
       .def("set_last_tokens", &M::set_last_tokens, py::arg("seq_ids"), py::arg("token_ids"),
            "Replace each sequence's last token (a placeholder appended before its id was known).")
+      .def("set_tokens", &M::set_tokens, py::arg("seq_id"), py::arg("start"), py::arg("token_ids"),
+           "Overwrite the recorded ids at positions [start, start + len(token_ids)) in place "
+           "(placeholders of an asynchronous step); blocks never move.")
       .def("mark_computed", &M::mark_computed, py::arg("seq_ids"), py::arg("num_computed_tokens"))
       .def(
           "can_allocate",

@@ -319,6 +319,38 @@ class BlockManager:
             seq.tokens[last] = token
             self._block_tokens[block][last % bs] = token
 
+    def set_tokens(self, seq_id: int, start: int, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Overwrite the recorded ids at positions [start, start + len(token_ids)) in place.
+
+        For placeholders of an asynchronous step whose real ids arrived later: never allocates or
+        moves a block. Every touched block must be exclusively owned and not yet prefix-cached."""
+        seq = self._get(seq_id)
+        start = operator.index(start)
+        tokens = _int_list(token_ids, "token_ids")
+        if not tokens:
+            return
+        end = start + len(tokens)
+        if start < 0 or end > len(seq.tokens):
+            raise ValueError(
+                f"sequence {seq_id}: {len(tokens)} tokens from position {start} "
+                f"do not fit in its {len(seq.tokens)} tokens"
+            )
+        bs = self.block_size
+        touched = range(start // bs, (end - 1) // bs + 1)
+        if touched[0] < seq.num_hashed_blocks:  # hashed blocks are leading
+            raise ValueError(
+                f"sequence {seq_id}: position {start} is in a block that is already prefix-cached"
+            )
+        for i in touched:
+            if self._refcount[seq.blocks[i]] != 1:
+                raise ValueError(f"sequence {seq_id}: its block {i} is shared")
+        for i in touched:
+            if seq.blocks[i] in self._registrations:  # only after a truncate: its content changes
+                self._unregister(seq.blocks[i])
+        seq.tokens[start:end] = tokens
+        for pos, token in enumerate(tokens, start):
+            self._block_tokens[seq.blocks[pos // bs]][pos % bs] = token
+
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._get(parent_id)
         if child_id in self._seqs:

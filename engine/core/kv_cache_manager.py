@@ -126,6 +126,12 @@ class KVCacheManager:
             np.asarray(seq_ids, dtype=np.int64), np.asarray(token_ids, dtype=np.int32)
         )
 
+    def set_tokens(self, seq_id: int, start: int, token_ids: Sequence[int]) -> None:
+        """Overwrite a sequence's ids at [start, start + len(token_ids)) in place: placeholders of
+        an asynchronous step learnt later. Blocks never move; raises if a touched block is shared
+        or already prefix-cached."""
+        self._blocks.set_tokens(seq_id, start, np.asarray(token_ids, dtype=np.int32))
+
     def blocks_needed_to_append(self, seq_id: int, num_tokens: int) -> int:
         return int(self._blocks.blocks_needed_to_append(seq_id, num_tokens))
 

@@ -1,4 +1,5 @@
-// Per-step batch operations: mark_computed (prefix-cache registration) and build_batch.
+// Per-step batch operations: mark_computed (prefix-cache registration), the placeholder fix-ups
+// (set_last_tokens, set_tokens) and build_batch.
 #include <algorithm>
 #include <climits>
 #include <string>
@@ -85,6 +86,41 @@ void BlockManager::set_last_tokens(const int64_t* seq_ids, const int32_t* tokens
     int32_t block = seq->blocks[block_of(last)];
     if (cache_.is_registered(block)) cache_.erase(block);  // a truncated block, content changes
     block_tokens_[static_cast<size_t>(block) * block_size_ + offset_in_block(last)] = tokens[i];
+  }
+}
+
+void BlockManager::set_tokens(int64_t seq_id, int64_t start, const int32_t* tokens,
+                              int64_t num_tokens) {
+  Sequence& seq = get(seq_id);
+  if (num_tokens == 0) return;
+  int64_t length = static_cast<int64_t>(seq.tokens.size());
+  std::string name = "sequence " + std::to_string(seq_id);
+  if (start < 0 || num_tokens < 0 || start > length - num_tokens) {
+    throw std::invalid_argument(name + ": " + std::to_string(num_tokens) +
+                                " tokens from position " + std::to_string(start) +
+                                " do not fit in its " + std::to_string(length) + " tokens");
+  }
+  int64_t first = block_of(start);
+  int64_t last = block_of(start + num_tokens - 1);
+  // Hashed blocks are leading, so checking the first touched one covers them all.
+  if (first < seq.num_hashed_blocks) {
+    throw std::invalid_argument(name + ": position " + std::to_string(start) +
+                                " is in a block that is already prefix-cached");
+  }
+  for (int64_t i = first; i <= last; ++i) {
+    if (pool_.refcount(seq.blocks[i]) != 1) {
+      throw std::invalid_argument(name + ": its block " + std::to_string(i) + " is shared");
+    }
+  }
+  for (int64_t i = first; i <= last; ++i) {
+    // Registered past num_hashed_blocks only after a truncate; its content changes now.
+    if (cache_.is_registered(seq.blocks[i])) cache_.erase(seq.blocks[i]);
+  }
+  std::copy(tokens, tokens + num_tokens, seq.tokens.begin() + start);
+  for (int64_t pos = start; pos < start + num_tokens; ++pos) {
+    int32_t block = seq.blocks[block_of(pos)];
+    block_tokens_[static_cast<size_t>(block) * block_size_ + offset_in_block(pos)] =
+        tokens[pos - start];
   }
 }
 

@@ -148,6 +148,49 @@ TEST(BlockManager, SetLastTokensReplacesPlaceholdersBeforeCaching) {
   bm.check_invariants();
 }
 
+TEST(BlockManager, SetTokensOverwritesMiddlePositionsInPlace) {
+  BlockManager bm(8, 4, true);
+  add(bm, 1, {1, 2, 3, 4, 5, -1, -1, -1, 9, 10});  // placeholders at 5..7 span blocks 1 and 2
+  std::vector<int32_t> table = bm.sequence(1).blocks;
+  std::vector<int32_t> real = {6, 7, 8};
+  bm.set_tokens(1, 5, real.data(), 3);
+  EXPECT_EQ(bm.sequence(1).tokens, (std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}));
+  EXPECT_EQ(bm.sequence(1).blocks, table);  // no block moved
+  EXPECT_EQ(bm.block_tokens(table[1])[3], 8);
+  computed(bm, 1, 8);  // hashed with the real ids: only the real prompt hits
+  EXPECT_EQ(add(bm, 2, {1, 2, 3, 4, 5, 6, 7, 8, 0}), 8);
+  EXPECT_EQ(add(bm, 3, {1, 2, 3, 4, 5, -1, -1, -1, 0}), 4);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, SetTokensRejectsBadRangesHashedAndSharedBlocks) {
+  BlockManager bm(8, 4, true);
+  add(bm, 1, iota(10));
+  std::vector<int32_t> two = {-5, -6};
+  EXPECT_THROW(bm.set_tokens(7, 0, two.data(), 2), UnknownSequenceError);
+  EXPECT_THROW(bm.set_tokens(1, -1, two.data(), 2), std::invalid_argument);
+  EXPECT_THROW(bm.set_tokens(1, 9, two.data(), 2), std::invalid_argument);
+  bm.set_tokens(1, 8, two.data(), 2);  // up to the last token is fine
+  bm.set_tokens(1, 3, two.data(), 0);  // empty: nothing to do
+  computed(bm, 1, 4);
+  EXPECT_THROW(bm.set_tokens(1, 3, two.data(), 2), std::invalid_argument);  // block 0 hashed
+  bm.fork(1, 2);
+  EXPECT_THROW(bm.set_tokens(1, 4, two.data(), 2), std::invalid_argument);  // block 1 shared
+  EXPECT_EQ(bm.sequence(1).tokens, (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, -5, -6}));
+  bm.check_invariants();
+}
+
+TEST(BlockManager, SetTokensUnregistersATruncatedCachedBlock) {
+  BlockManager bm(8, 4, true);
+  add(bm, 1, iota(8));
+  computed(bm, 1, 8);
+  bm.truncate(1, 6);  // block 1 stays registered but is no longer hashed for the sequence
+  std::vector<int32_t> one = {42};
+  bm.set_tokens(1, 5, one.data(), 1);
+  bm.check_invariants();  // a stale registration would fail the content-hash check
+  EXPECT_EQ(add(bm, 2, iota(8)), 4);
+}
+
 TEST(BlockManager, BuildBatch) {
   BlockManager bm(16, 4, true);
   add(bm, 1, iota(10));

@@ -83,6 +83,11 @@ class BlockManager {
   // asynchronous scheduling). Its block must be exclusively owned and not yet offered to the
   // prefix cache. All or nothing; the ids must be distinct.
   void set_last_tokens(const int64_t* seq_ids, const int32_t* tokens, int64_t batch);
+  // Overwrites the recorded ids at positions [start, start + num_tokens) in place: placeholders of
+  // an asynchronous step whose real ids arrived later. Never allocates or moves a block (an
+  // in-flight step writes K/V through the current table); every touched block must be exclusively
+  // owned and not yet offered to the prefix cache. Validates everything before changing anything.
+  void set_tokens(int64_t seq_id, int64_t start, const int32_t* tokens, int64_t num_tokens);
   // Exact number of blocks append_tokens would take (new blocks plus a copy-on-write block).
   int64_t blocks_needed_to_append(int64_t seq_id, int64_t num_tokens) const;
   // The child shares every block of the parent (copy-on-write on the next divergent append).
