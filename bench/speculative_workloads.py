@@ -122,7 +122,12 @@ def smollm2_workload(args, ks: list[int], method: str) -> Workload:
     def spec_config(k: int) -> SpeculativeConfig:
         if method == "ngram":
             return SpeculativeConfig(
-                method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3, **_policy(args)
+                method="ngram",
+                num_speculative_tokens=k,
+                ngram_min=1,
+                ngram_max=3,
+                device_chain=args.device_chain == "on",
+                **_policy(args),
             )
         return SpeculativeConfig(
             method="draft", num_speculative_tokens=k, draft_model=args.draft, **_policy(args)

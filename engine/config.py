@@ -82,6 +82,9 @@ class SpeculativeConfig:
     ngram_max: int = 4
     max_batch_size: int = 32  # above this many running sequences speculation is skipped for the step
     min_acceptance_rate: float = 0.2  # per sequence, below this its speculation pauses
+    # n-gram, all-greedy batches: accept and draft on the device and plan steps ahead (async
+    # scheduling), spec_decode/device_chain.py; off: every speculative step is synchronous
+    device_chain: bool = True
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pagedinfer.engine.core.scheduler_output import (
     SequenceUpdate,
     StepStats,
 )
+from pagedinfer.engine.core.spec_lookahead import plan_spec_lookahead, resolve_spec_lookahead
 from pagedinfer.engine.errors import EngineOverloadedError
 from pagedinfer.engine.output_processor import OutputProcessor
 from pagedinfer.engine.outputs import RequestOutput
@@ -91,6 +92,7 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, object] | None = None  # a lookahead step (None: launching)
         self.num_lookahead_steps = 0
         self.num_lookahead_admissions = 0  # requests admitted by lookahead steps
+        self.num_chained_steps = 0  # lookahead steps that verify drafts made on the device
         self.runner = runner
         _freeze_startup_objects()
         self.spec_decoder = spec_decoder  # spec_decode.SpeculativeDecoder, or None
@@ -210,7 +212,7 @@ class EngineCore:
             t_forward = clock()
             outputs = self._flush_pending()  # CPU work that overlaps the GPU's forward pass
             t_outputs = clock()
-            pending = self.runner.launch_sampling(forward)
+            pending = self.runner.launch_sampling(forward, chain=self._may_chain(sched))
         else:  # launched by the previous call
             sched, pending = inflight
             t_sched = t_forward = start
@@ -222,9 +224,14 @@ class EngineCore:
         t_lookahead = clock()
         result = self.runner.collect(pending)
         t_collect = clock()
-        updates = self.scheduler.update(sched, result)
-        if self._inflight is not None:
-            resolve_lookahead(self.scheduler, self._inflight[0])
+        ahead = self._inflight[0] if self._inflight is not None else None
+        if ahead is not None and ahead.feeds_drafts:
+            updates = self.scheduler.update(sched, result, frozenset(s.seq_id for s in ahead.sequences))
+            resolve_spec_lookahead(self.scheduler, ahead, result)
+        else:
+            updates = self.scheduler.update(sched, result)
+            if ahead is not None:
+                resolve_lookahead(self.scheduler, ahead)
         if self.spec_decoder is not None:
             if self._inflight is None:  # learn acceptance, draft the next step's tokens
                 self.spec_decoder.after_step(sched, result, self.scheduler.running)
@@ -248,10 +255,14 @@ class EngineCore:
 
     def _launch_lookahead(self, sched: SchedulerOutput, pending) -> None:
         """Plan step N+1 from the launched step N and enqueue it behind N on the device."""
-        # Drafts are proposed after update(): a batch that may draft next step stays synchronous.
+        # Drafts are proposed after update(): a batch that may draft next step stays synchronous,
+        # unless this step decided its acceptance and next drafts on the device (a chain).
         if self.spec_decoder is not None and self.spec_decoder.may_draft(self.scheduler.running):
-            return
-        nxt = plan_lookahead(self.scheduler, sched)
+            if pending.chain is None or not self.spec_decoder.may_chain(self.scheduler.running):
+                return
+            nxt = plan_spec_lookahead(self.scheduler, sched, self.spec_decoder.config.num_speculative_tokens)
+        else:
+            nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:
             # In flight from the moment its slots are reserved: if launching it fails, step()
             # gives them back like any dropped lookahead's.
@@ -259,7 +270,20 @@ class EngineCore:
             forward = self.runner.launch_forward(nxt, feed=pending)
             self._inflight = (nxt, self.runner.launch_sampling(forward))
             self.num_lookahead_steps += 1
+            self.num_chained_steps += nxt.feeds_drafts
             self.num_lookahead_admissions += len(nxt.sequences) - nxt.num_fed
+
+    def _may_chain(self, sched: SchedulerOutput) -> bool:
+        """Whether a synchronous step should decide its acceptance and next drafts on the device,
+        to start a chain of speculative steps planned ahead (core/spec_lookahead.py)."""
+        spec = self.spec_decoder
+        return (
+            self.async_scheduling
+            and spec is not None
+            and spec.device_chain is not None
+            and spec.may_chain(self.scheduler.running)
+            and len(sched.sequences) == len(self.scheduler.running)
+        )
 
     def _flush_pending(self) -> list[RequestOutput]:
         """Outputs and step accounting of the last step: nothing here decides the next batch."""

@@ -402,8 +402,14 @@ class Scheduler:
         )
 
     # ---- update -------------------------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
-        """Apply a step's results: advance computed tokens, fork, append, stop, free."""
+    def update(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, kv_ahead: frozenset[int] = frozenset()
+    ) -> list[SequenceUpdate]:
+        """Apply a step's results: advance computed tokens, fork, append, stop, free.
+
+        `kv_ahead`: sequences whose next step is already launched with KV reserved past this
+        one's (a chained speculative step): rejected drafts leave their KV to that step's resolve.
+        """
         by_seq_id = self._by_seq_id
         running = RequestStatus.RUNNING
         live: list[Request] = []  # scheduled and still running (not aborted or stopped meanwhile)
@@ -419,7 +425,7 @@ class Scheduler:
                 num_spec[s.seq_id] = s.num_spec_tokens
         updates: list[SequenceUpdate] = []
         for st in result.sampled:
-            u = self._apply_sampled(st, num_spec.get(st.seq_id, 0) if num_spec else 0)
+            u = self._apply_sampled(st, num_spec.get(st.seq_id, 0) if num_spec else 0, st.seq_id in kv_ahead)
             if u is not None:
                 updates.append(u)
         if live:
@@ -450,16 +456,18 @@ class Scheduler:
             self._running_sorted = False
         leader.pending_children = []
 
-    def _apply_sampled(self, sampled: SampledTokens, num_spec: int) -> SequenceUpdate | None:
+    def _apply_sampled(
+        self, sampled: SampledTokens, num_spec: int, kv_ahead: bool = False
+    ) -> SequenceUpdate | None:
         seq = self._by_seq_id.get(sampled.seq_id)
         if seq is None or seq.status is not RequestStatus.RUNNING:
             return None
         num_rejected = num_spec - (len(sampled.token_ids) - 1)
         if num_rejected > 0:
-            # Drafts after the first rejected one left stale KV behind: drop it.
             seq.num_computed_tokens -= num_rejected
-            self._pending_copies += self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
-            seq.num_kv_tokens = seq.num_computed_tokens
+            if not kv_ahead:  # drafts after the first rejected one left stale KV behind: drop it
+                self._pending_copies += self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+                seq.num_kv_tokens = seq.num_computed_tokens
         if seq.spec_token_ids:
             seq.spec_token_ids = []
         token_ids = sampled.token_ids

@@ -72,6 +72,9 @@ class SchedulerOutput:
     # resolved. Those fed sequences come first; requests admitted by the lookahead follow them.
     feeds_previous: bool = False
     feed_rows: list[int] | None = None  # the row of that step's samples each fed sequence takes; None: i
+    # A chained speculative step (core/spec_lookahead.py): every sequence's inputs (the bonus token
+    # + K drafts) and positions come from the step before, on the device.
+    feeds_drafts: bool = False
 
     @property
     def num_fed(self) -> int:
@@ -120,6 +123,11 @@ class ModelRunnerOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verified_seqs: int = 0  # sequences whose drafts were verified this step
+    # A step whose acceptance was decided on the device (spec_decode/device_chain.py): per sampled
+    # sequence, the drafts its next (chained) step verifies, and whether they came from a match.
+    next_drafts: list[list[int]] | None = None
+    verified_drafts: list[int] | None = None  # per sampled sequence: drafts verified (filler: 0)
+    next_has_match: list[bool] | None = None
     gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
 
 

@@ -25,6 +25,7 @@ from pagedinfer.engine.core.scheduler_output import (
 from pagedinfer.engine.request import Request, RequestStatus
 from pagedinfer.engine.sample.metadata import SamplingMetadata
 from pagedinfer.engine.sample.sampler import Sampler
+from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
 from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
 from pagedinfer.engine.spec_decode.proposer import DraftRequest, Proposer
 from pagedinfer.engine.spec_decode.verifier import SpecVerifier
@@ -40,6 +41,7 @@ class SpeculativeDecoder:
         proposer: Proposer,
         max_model_len: int,
         sampler: Sampler | None = None,
+        device_chain: DeviceNgramChain | None = None,
     ) -> None:
         if config.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
@@ -51,6 +53,7 @@ class SpeculativeDecoder:
         self.stats = SpeculationStats()
         self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, V] q of its pending drafts
         self._known: set[int] = set()  # seq ids the proposer may hold state for
+        self.device_chain: DeviceNgramChain | None = device_chain  # n-gram steps chained on the device
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """CUDA graphs for the proposer's own model steps, when it runs a model (CUDA only)."""
@@ -63,6 +66,19 @@ class SpeculativeDecoder:
         this step's tokens are known: async scheduling)"""
         return self.policy.is_step_enabled(len(running)) and any(
             seq.sampling_params.use_speculation for seq in running
+        )
+
+    def may_chain(self, running: Sequence[Request]) -> bool:
+        """Whether steps over `running` may be chained on the device (spec_decode/device_chain.py):
+        every sequence speculates and none is paused. The runner checks the sampling (all greedy)."""
+        return (
+            self.device_chain is not None
+            and len(running) <= self.device_chain.max_seqs
+            and self.policy.is_step_enabled(len(running))
+            and all(
+                seq.sampling_params.use_speculation and not self.policy.is_paused(seq.seq_id)
+                for seq in running
+            )
         )
 
     def propose(self, running: Sequence[Request]) -> int:
@@ -157,7 +173,12 @@ class SpeculativeDecoder:
 
     def observe(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Feed acceptance per sequence to the policy and the totals."""
-        num_spec = {s.seq_id: s.num_spec_tokens for s in sched.sequences if s.num_spec_tokens > 0}
+        if result.verified_drafts is not None:  # decided on the device: filler drafts not verified
+            num_spec = {st.seq_id: k for st, k in zip(result.sampled, result.verified_drafts, strict=True)}
+            if sched.feeds_drafts:  # its drafts came from the device proposer: 0 = no match
+                self.stats.num_unmatched_sequence_steps += result.verified_drafts.count(0)
+        else:
+            num_spec = {s.seq_id: s.num_spec_tokens for s in sched.sequences if s.num_spec_tokens > 0}
         for sampled in result.sampled:
             k = num_spec.get(sampled.seq_id, 0)
             if k == 0:

@@ -12,6 +12,7 @@ import torch
 from pagedinfer.engine.config import SpeculativeConfig
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.spec_decode.controller import SpeculativeDecoder
+from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
 from pagedinfer.engine.spec_decode.draft_model import (
     DraftModelError,
     DraftModelProposer,
@@ -71,14 +72,25 @@ def build_speculative_decoder(
     _check_method(config)
     if config.method is None:
         return None
+    chain = None
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
+        if config.device_chain:
+            chain = DeviceNgramChain(
+                config.max_batch_size,
+                max_model_len,
+                config.num_speculative_tokens,
+                config.ngram_min,
+                config.ngram_max,
+                torch.device(target_model.device),
+                attention_backend,
+            )
     else:
         draft = draft_model or load_draft_model(config, target_model, target_tokenizer)
         proposer = _draft_proposer(
             config, draft, target_model, num_blocks, block_size, max_model_len, attention_backend
         )
-    return SpeculativeDecoder(config, proposer, max_model_len)
+    return SpeculativeDecoder(config, proposer, max_model_len, device_chain=chain)
 
 
 def draft_blocks_per_seq(config: SpeculativeConfig, block_size: int, max_model_len: int) -> int:

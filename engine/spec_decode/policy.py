@@ -82,6 +82,10 @@ class SpeculationPolicy:
             return True
         return False
 
+    def is_paused(self, seq_id: int) -> bool:
+        stats = self._seqs.get(seq_id)
+        return stats is not None and stats.paused_steps_left > 0
+
     def observe(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
             return

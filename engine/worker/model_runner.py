@@ -28,6 +28,7 @@ from pagedinfer.engine.core.scheduler_output import (
 )
 from pagedinfer.engine.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
 from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput, is_plain_greedy
+from pagedinfer.engine.spec_decode.device_chain import ChainStep, HostChainStep, feed_inputs
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch
 from pagedinfer.kernels import ops
@@ -87,6 +88,7 @@ class LaunchedForward:
     groups: list[VerifyGroup]
     hidden: torch.Tensor  # [num_tokens (or the graph's rows), H]
     logits_indices: torch.Tensor  # [N] rows of `hidden` that are sampled
+    fed_chain: ChainStep | None = None  # a chained speculative step: the step its inputs came from
 
 
 @dataclass
@@ -103,6 +105,7 @@ class PendingStep:
     # Pinned copy of sampled.token_ids (or, speculative, of greedy_argmax), valid after `end`
     host_token_ids: torch.Tensor | None = None
     greedy_argmax: torch.Tensor | None = None  # [N] an all-greedy verification's argmax per row
+    chain: ChainStep | None = None  # acceptance + next drafts decided on the device (device_chain.py)
 
 
 @dataclass(slots=True)
@@ -191,7 +194,14 @@ class ModelRunner:
         logits_rows, rows, groups = self._sampling_plan(sched)
         key = self._graph_key(sched)
         inputs = self.batch.prepare(sched, logits_rows, key)
-        if sched.feeds_previous:
+        fed_chain = None
+        if sched.feeds_drafts:
+            if feed is None or feed.chain is None:
+                raise ValueError("a chained speculative step needs the launched step it continues")
+            fed_chain = feed.chain
+            b = self.batch
+            feed_inputs(fed_chain, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
+        elif sched.feeds_previous:
             self._feed_previous(sched, feed, inputs.input_ids)
         # Idle time is GPU time between one step's last kernel and the next step's forward: the
         # host work in between (update, schedule, prepare) is what the GPU waits for.
@@ -200,7 +210,7 @@ class ModelRunner:
             hidden = self.graphs.replay(key)  # [B * q, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        return LaunchedForward(start, rows, groups, hidden, inputs.attn_metadata.logits_indices)
+        return LaunchedForward(start, rows, groups, hidden, inputs.attn_metadata.logits_indices, fed_chain)
 
     def _feed_previous(
         self, sched: SchedulerOutput, feed: PendingStep | None, input_ids: torch.Tensor
@@ -219,8 +229,12 @@ class ModelRunner:
         input_ids[:n].copy_(sampled, non_blocking=True)
 
     @torch.inference_mode()
-    def launch_sampling(self, fwd: LaunchedForward | None) -> PendingStep | None:
-        """Enqueue logits and sampling for a launched forward; `collect()` gets the tokens."""
+    def launch_sampling(self, fwd: LaunchedForward | None, chain: bool = False) -> PendingStep | None:
+        """Enqueue logits and sampling for a launched forward; `collect()` gets the tokens.
+
+        `chain`: decide acceptance and the next step's drafts on the device, if the step allows it
+        (`PendingStep.chain` says whether it did; a chained step always does).
+        """
         if fwd is None:
             return None
         start, rows, groups = fwd.start, fwd.rows, fwd.groups
@@ -229,6 +243,12 @@ class ModelRunner:
         # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
         eos = [self.config.eos_token_ids] * len(rows)
         meta = self.sampling_metadata.build(rows, eos)
+        if chain or fwd.fed_chain is not None:
+            pending = self._launch_chained(fwd, meta)
+            if pending is not None:
+                return pending
+            if fwd.fed_chain is not None:
+                raise ValueError("a chained speculative step must be all plain greedy")
         speculative = self.spec_decoder is not None and any(g.draft_token_ids for g in groups)
         # A plain greedy batch samples (or verifies, see SpecVerifier) the argmax of the GEMM's own
         # output: no fp32 copy of [N, V].
@@ -249,6 +269,35 @@ class ModelRunner:
         host_ids = self._to_host(sampled.token_ids)
         return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event(), host_ids)
 
+    def _launch_chained(self, fwd: LaunchedForward, meta: SamplingMetadata) -> PendingStep | None:
+        """`launch_sampling` deciding on the device: the argmax of every row, acceptance, the next
+        drafts (spec_decode/device_chain.py). None when the step does not allow it."""
+        chain = getattr(self.spec_decoder, "device_chain", None)
+        rows, groups = fwd.rows, fwd.groups
+        if (
+            chain is None
+            or not is_plain_greedy(meta)
+            or meta.max_num_logprobs >= 0
+            or len(groups) > chain.max_seqs
+            or len({g.seq_id for g in groups}) != len(groups)  # forks share a sequence's history
+        ):
+            return None
+        hidden = fwd.hidden[fwd.logits_indices]
+        logits = self.model.compute_logits(hidden, upcast=False, backend=self.config.attention_backend)
+        argmax = logits.argmax(dim=-1)  # [N]
+        first_rows = [g.first_row for g in groups]
+        if fwd.fed_chain is None:  # a chain's first step: the histories are the host's tokens
+            chain.start(
+                [
+                    [*rows[i].prompt_token_ids, *rows[i].output_token_ids[: rows[i].output_position]]
+                    for i in first_rows
+                ]
+            )
+            step = chain.accept(argmax, first_rows, [g.draft_token_ids for g in groups], None)
+        else:
+            step = chain.accept(argmax, first_rows, None, fwd.fed_chain)
+        return PendingStep(fwd.start, rows, groups, meta, logits, None, self._gpu_event(), chain=step)
+
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """On CUDA a non-blocking copy into pinned memory, ordered before the step's end event:
         collect() waits for this step's kernels only, not for a lookahead step enqueued behind
@@ -264,6 +313,8 @@ class ModelRunner:
             return ModelRunnerOutput([])
         if pending.meta is None:
             result = ModelRunnerOutput([])
+        elif pending.chain is not None:
+            result = _chain_output(pending.chain.to_host(), pending.groups)
         elif pending.sampled is None:
             argmax = None
             if pending.greedy_argmax is not None:
@@ -434,3 +485,20 @@ class ModelRunner:
             self.gpu_idle_s_total += self._prev_end.elapsed_time(start) / 1e3
         self.gpu_busy_s_total += start.elapsed_time(end) / 1e3
         self._prev_end = end
+
+
+def _chain_output(host: HostChainStep, groups: Sequence[VerifyGroup]) -> ModelRunnerOutput:
+    """A device-decided step's tokens per group, and the drafts its chained successor verifies."""
+    sampled = [SampledTokens(g.seq_id, tokens) for g, tokens in zip(groups, host.emitted, strict=True)]
+    num_drafts = sum(host.num_drafts)
+    num_accepted = sum(len(t) for t in host.emitted) - len(host.emitted)
+    num_verified = sum(1 for n in host.num_drafts if n)
+    return ModelRunnerOutput(
+        sampled,
+        num_drafts,
+        num_accepted,
+        num_verified_seqs=num_verified,
+        next_drafts=host.next_drafts,
+        next_has_match=host.has_match,
+        verified_drafts=host.num_drafts,
+    )

@@ -216,7 +216,8 @@ def test_async_scheduling_runs_where_no_sequence_drafts(tiny_llama_dir, baseline
     """A speculative engine plans steps ahead (lookahead) while nothing in the batch may draft:
     requests that opt out, or a batch above max_batch_size; steps that may draft stay
     synchronous. Outputs stay identical and no block leaks either way."""
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    # device_chain off: drafting steps are host-planned (chained ones: test_device_chain.py)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, device_chain=False)
     llm = make_llm(tiny_llama_dir, ngram, async_scheduling=True)
     assert llm.core.async_scheduling
     off = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, use_speculation=False)
@@ -230,7 +231,7 @@ def test_async_scheduling_runs_where_no_sequence_drafts(tiny_llama_dir, baseline
     assert llm.core.spec_decoder.stats.num_draft_tokens > 0
     assert_no_leak(llm)
     # 7 running > max_batch_size 2: lookahead steps until only 2 are left, then drafts
-    capped = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch_size=2)
+    capped = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch_size=2, device_chain=False)
     big = make_llm(tiny_llama_dir, capped, async_scheduling=True)
     lengths = [SamplingParams(max_tokens=8 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
     expected = [o.token_ids for o in baseline_llm_outputs(tiny_llama_dir, lengths)]

@@ -1,0 +1,84 @@
+"""Chained n-gram speculation (spec_decode/device_chain.py, core/spec_lookahead.py) on a tiny
+random Llama, CPU, async scheduling forced on: greedy output is token-for-token the plain
+output, chained steps really run, and every KV block (and prefix-cache entry) ends right."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedinfer.engine.config import SpeculativeConfig
+from pagedinfer.engine.sampling_params import SamplingParams
+from tests.engine.spec_decode.test_spec_engine import assert_no_leak, generate, make_llm, prompts
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return make_llm(tiny_llama_dir)
+
+
+def chained(folder, spec=NGRAM, **sched):
+    return make_llm(folder, spec, async_scheduling=True, **sched)
+
+
+def test_chained_greedy_output_is_the_plain_output(tiny_llama_dir, plain):
+    llm = chained(tiny_llama_dir)
+    assert generate(llm) == generate(plain)
+    stats = llm.core.spec_decoder.stats
+    assert llm.core.num_chained_steps > 0  # chained steps ran
+    assert stats.num_accepted_tokens > 0 and stats.mean_accepted_length > 1.0
+    assert_no_leak(llm)
+
+
+def test_chain_off_gives_the_same_output(tiny_llama_dir, plain):
+    off = chained(
+        tiny_llama_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=3, device_chain=False)
+    )
+    assert off.core.spec_decoder.device_chain is None
+    assert generate(off) == generate(plain)
+    assert off.core.num_lookahead_steps == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_lengths_stops_and_a_queue(tiny_llama_dir, plain, seed):
+    """Sequences finish at different steps (max_tokens, stop ids), requests wait for seats:
+    chains end and start again; outputs equal, nothing leaks."""
+    rng = random.Random(seed)
+    ps = prompts(9, seed)
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 30),
+            temperature=0.0,
+            ignore_eos=True,
+            stop_token_ids=[rng.randrange(3, 256) for _ in range(3)] if i % 2 else [],
+        )
+        for i in range(len(ps))
+    ]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    llm = chained(tiny_llama_dir, max_num_seqs=4)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert got == want
+    assert llm.core.num_lookahead_steps > 0
+    assert_no_leak(llm)
+
+
+def test_prefix_cache_sees_the_real_tokens(tiny_llama_dir, plain):
+    """Blocks computed by chained steps are hashed with the real ids, not the placeholders: a
+    request whose prompt is the first one's prompt + output reuses them (cached tokens reach into
+    the output), one with placeholder ids there reuses none of them; both decode like plain."""
+    llm = chained(tiny_llama_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    prompt = [5, 6, 7, 8, 9] * 4
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert llm.core.num_chained_steps > 0
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for follow in (prompt + first.token_ids, prompt + [0] * len(first.token_ids)):
+        got = llm.generate(prompt_token_ids=[follow], sampling_params=short)[0]
+        want = plain.generate(prompt_token_ids=[follow], sampling_params=short)[0]
+        assert got.token_ids == want.token_ids
+        reused_output = got.usage.cached_prompt_tokens - (len(prompt) // 4) * 4  # block_size 4
+        assert reused_output >= (len(first.token_ids) // 4 - 2) * 4 if follow[-1] else reused_output <= 0
+    assert_no_leak(llm)
