@@ -125,3 +125,25 @@ def test_async_scheduling_matches_synchronous_steps(tiny_llama_dir, graphs):
     assert asyn.core.num_lookahead_steps >= 20
     kv = asyn.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_chained_ngram_speculation_matches_plain_greedy(tiny_llama_dir, graphs):
+    """N-gram steps chained on the device (acceptance and drafts in the Triton kernel, inputs
+    fixed up in the graphs' buffers, placeholders resolved later) give the plain greedy tokens."""
+    plain = make_llm(tiny_llama_dir, graphs=graphs)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_max=3)
+    chained = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True)
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6, [11, 12] * 12]  # repetitive: drafts get accepted
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(ps))]
+    a = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    b = [o.token_ids for o in chained.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert a == b
+    alone = chained.generate(prompt_token_ids=ps[-2:], sampling_params=GREEDY)
+    assert [o.token_ids for o in alone] == [
+        o.token_ids for o in plain.generate(prompt_token_ids=ps[-2:], sampling_params=GREEDY)
+    ]
+    assert chained.core.num_chained_steps > 0
+    assert chained.core.spec_decoder.stats.num_accepted_tokens > 0
+    kv = chained.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
