@@ -14,9 +14,16 @@ import torch
 
 from pagedinfer.kernels import ngram_reference
 from pagedinfer.kernels.ngram_reference import AcceptProposeOutput
-from pagedinfer.kernels.ops import select_backend
+from pagedinfer.kernels.ops import select_backend, triton_available
 
-__all__ = ["AcceptProposeOutput", "accept_and_propose"]
+__all__ = [
+    "AcceptProposeOutput",
+    "accept_and_propose",
+    "launch_chain_feed",
+    "launch_packed",
+    "select_backend",
+    "triton_available",
+]
 
 
 def _fail(msg: str) -> None:
@@ -107,3 +114,18 @@ def accept_and_propose(
 
         return ngram_propose.accept_and_propose(*args)
     return ngram_reference.accept_and_propose(*args)
+
+
+def launch_packed(*args, **kwargs) -> torch.Tensor:
+    """The Triton kernel with one packed output (ngram_propose.launch_packed; CUDA only, no checks:
+    the chained engine steps call it with tensors they built themselves)."""
+    from pagedinfer.kernels import ngram_propose
+
+    return ngram_propose.launch_packed(*args, **kwargs)
+
+
+def launch_chain_feed(*args, **kwargs) -> None:
+    """A chained step's inputs from the previous step's packed output (ngram_propose; CUDA)."""
+    from pagedinfer.kernels import ngram_propose
+
+    ngram_propose.launch_chain_feed(*args, **kwargs)

@@ -15,6 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedinfer.kernels.ngram_layout import (
+    COL_HAS_MATCH,
+    COL_NUM_DRAFTS,
+    COL_NUM_EMITTED,
+    COL_NUM_SLOTS,
+    PACKED_FIXED,
+)
 from pagedinfer.kernels.ngram_reference import AcceptProposeOutput
 
 BLOCK = 2048  # candidate ends per tile (8 KiB of int32 tokens per n-gram offset)
@@ -31,36 +38,65 @@ def _token_at(hist_row, emit_row, pos, old_len, new_len, emit_max, mask):
     return tl.where(is_old, old, new.to(tl.int32))
 
 
-@triton.jit
+# ... as the kernels see them (globals a Triton kernel reads must be constexpr)
+_NUM_SLOTS = tl.constexpr(COL_NUM_SLOTS)
+_NUM_DRAFTS = tl.constexpr(COL_NUM_DRAFTS)
+_NUM_EMITTED = tl.constexpr(COL_NUM_EMITTED)
+_HAS_MATCH = tl.constexpr(COL_HAS_MATCH)
+_FIXED = tl.constexpr(PACKED_FIXED)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "stride_drafts",
+        "stride_num_drafts",
+        "drafts_scale",
+        "stride_hist",
+        "stride_out",
+        "num_rows",
+        "hist_cap",
+        "ngram_min",
+        "num_next",
+    ]
+)
 def _accept_propose_kernel(
     argmax_ptr,  # [R] int64
-    first_rows_ptr,  # [B]
+    first_rows_ptr,  # [B] (unused when DENSE_ROWS)
     drafts_ptr,  # [B, K]
-    num_drafts_ptr,  # [B]
+    num_drafts_ptr,  # [B] (times drafts_scale)
     hist_ptr,  # [B, L] int32, in/out
     hist_len_ptr,  # [B] int32, in/out
-    num_emitted_ptr,  # [B] int64
-    emitted_ptr,  # [B, K + 1] int64
-    next_ptr,  # [B, N] int64
-    has_match_ptr,  # [B] bool
+    out_ptr,  # [B, _FIXED + K + 1 + N] int64
     stride_drafts,
+    stride_num_drafts,
+    drafts_scale,
     stride_hist,
-    stride_emitted,
-    stride_next,
+    stride_out,
     num_rows,
-    max_drafts,
     hist_cap,
     ngram_min,
     num_next,
+    max_drafts: tl.constexpr,  # K
     NGRAM_MAX: tl.constexpr,
     STEPS: tl.constexpr,  # power of two >= K + 1
     NEXT: tl.constexpr,  # power of two >= N
     BLOCK: tl.constexpr,
+    DENSE_ROWS: tl.constexpr,  # every group has K + 1 rows (a chained step): first row b (K + 1)
 ):
     seq = tl.program_id(0).to(tl.int64)
+    out_row = out_ptr + seq * stride_out
     # Acceptance: the leading drafts equal to their row's argmax.
-    first = tl.minimum(tl.maximum(tl.load(first_rows_ptr + seq).to(tl.int64), 0), num_rows - 1)
-    num_draft = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + seq), 0), max_drafts)
+    if DENSE_ROWS:
+        first = tl.minimum(seq * (max_drafts + 1), num_rows - 1)
+    else:
+        first = tl.minimum(tl.maximum(tl.load(first_rows_ptr + seq).to(tl.int64), 0), num_rows - 1)
+    num_draft = tl.load(num_drafts_ptr + seq * stride_num_drafts).to(tl.int64) * drafts_scale
+    num_draft = tl.minimum(tl.maximum(num_draft, 0), max_drafts)
+    if DENSE_ROWS:
+        tl.store(out_row + _NUM_SLOTS, tl.full([], max_drafts, tl.int64))
+    else:
+        tl.store(out_row + _NUM_SLOTS, num_draft)
+    tl.store(out_row + _NUM_DRAFTS, num_draft)
     emit_row = argmax_ptr + first
     emit_max = num_rows - 1 - first  # last argmax row this sequence may read, from first
     steps = tl.arange(0, STEPS)
@@ -69,10 +105,8 @@ def _accept_propose_kernel(
     is_rejected = (steps >= num_draft) | (draft != target)  # step num_draft always is
     num_accepted = tl.min(tl.where(is_rejected, steps, STEPS), axis=0)
     is_emitted = steps <= num_accepted
-    tl.store(
-        emitted_ptr + seq * stride_emitted + steps, tl.where(is_emitted, target, 0), mask=steps <= max_drafts
-    )
-    tl.store(num_emitted_ptr + seq, (num_accepted + 1).to(tl.int64))
+    tl.store(out_row + _FIXED + steps, tl.where(is_emitted, target, 0), mask=steps <= max_drafts)
+    tl.store(out_row + _NUM_EMITTED, (num_accepted + 1).to(tl.int64))
 
     # Append what fits (a clamp, never an out-of-bounds write).
     hist_row = hist_ptr + seq * stride_hist
@@ -113,8 +147,8 @@ def _accept_propose_kernel(
     tok = _token_at(hist_row, emit_row, pos, old_len, new_len, emit_max, is_read)
     fill = tl.load(emit_row + tl.minimum(num_accepted, emit_max))
     next_drafts = tl.where(has_match, tok.to(tl.int64), fill)
-    tl.store(next_ptr + seq * stride_next + nexts, next_drafts, mask=nexts < num_next)
-    tl.store(has_match_ptr + seq, has_match)
+    tl.store(out_row + _FIXED + max_drafts + 1 + nexts, next_drafts, mask=nexts < num_next)
+    tl.store(out_row + _HAS_MATCH, has_match.to(tl.int64))
 
 
 def accept_and_propose(
@@ -130,38 +164,136 @@ def accept_and_propose(
     block: int = BLOCK,
 ) -> AcceptProposeOutput:
     """Shapes and dtypes as ngram_reference.accept_and_propose (checked by ngram_ops); `block`
-    (a power of two) sets the candidate ends per tile. Outputs are allocated here, once."""
+    (a power of two) sets the candidate ends per tile. Views of one packed output."""
     num_seqs, max_drafts = drafts.shape
-    device = argmax.device
-    out = AcceptProposeOutput(
-        torch.empty(num_seqs, dtype=torch.int64, device=device),
-        torch.empty((num_seqs, max_drafts + 1), dtype=torch.int64, device=device),
-        torch.empty((num_seqs, num_next), dtype=torch.int64, device=device),
-        torch.empty(num_seqs, dtype=torch.bool, device=device),
+    packed = launch_packed(
+        argmax, first_rows, drafts, num_drafts, 1, history, history_len, ngram_min, ngram_max, num_next, block
     )
+    return unpack(packed, max_drafts)
+
+
+def unpack(packed: torch.Tensor, max_drafts: int) -> AcceptProposeOutput:
+    """The packed columns as AcceptProposeOutput (views; has_match as a new bool tensor)."""
+    emitted = packed[:, PACKED_FIXED : PACKED_FIXED + max_drafts + 1]
+    return AcceptProposeOutput(
+        packed[:, COL_NUM_EMITTED],
+        emitted,
+        packed[:, PACKED_FIXED + max_drafts + 1 :],
+        packed[:, COL_HAS_MATCH].bool(),
+    )
+
+
+def launch_packed(
+    argmax: torch.Tensor,  # [R] int64
+    first_rows: torch.Tensor | None,  # [B] int64; None: dense groups of K + 1 rows (a chained step)
+    drafts: torch.Tensor,  # [B, K] int64 (row stride free: a previous packed output's next column)
+    num_drafts: torch.Tensor,  # [B] (any stride), times drafts_scale
+    drafts_scale: int,
+    history: torch.Tensor,
+    history_len: torch.Tensor,
+    ngram_min: int,
+    ngram_max: int,
+    num_next: int,
+    block: int = BLOCK,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel with every output in one [B, PACKED_FIXED + K + 1 + num_next] int64 tensor
+    (columns COL_*, then emitted, then next drafts): one host copy a step, no packing ops.
+
+    A chained step passes the previous step's packed output: its next-drafts columns as `drafts`,
+    its has-match column as `num_drafts` with drafts_scale K (no match: filler, not verified)."""
+    num_seqs, max_drafts = drafts.shape
+    width = PACKED_FIXED + max_drafts + 1 + num_next
+    if out is None:
+        out = torch.empty((num_seqs, width), dtype=torch.int64, device=argmax.device)
     if num_seqs == 0:
         return out
+    dense = first_rows is None
     _accept_propose_kernel[(num_seqs,)](
         argmax,
-        first_rows,
+        argmax if dense else first_rows,
         drafts,
         num_drafts,
         history,
         history_len,
-        *out,
+        out,
         drafts.stride(0),
+        num_drafts.stride(0),
+        drafts_scale,
         history.stride(0),
-        out.emitted.stride(0),
-        out.next_drafts.stride(0),
+        out.stride(0),
         argmax.shape[0],
-        max_drafts,
         history.shape[1],
         ngram_min,
         num_next,
+        max_drafts=max_drafts,
         NGRAM_MAX=ngram_max,
         STEPS=triton.next_power_of_2(max_drafts + 1),
         NEXT=triton.next_power_of_2(num_next),
         BLOCK=block,
+        DENSE_ROWS=dense,
         num_warps=NUM_WARPS,
     )
     return out
+
+
+@triton.jit(do_not_specialize=["stride_prev", "stride_bt", "block_size"])
+def _chain_feed_kernel(
+    prev_ptr,  # [B, PACKED_FIXED + K_PREV + 1 + K] int64: the previous step's packed output
+    ids_ptr,  # [B * (K + 1)] int64, staged placeholders -> bonus token + drafts
+    pos_ptr,  # [B * (K + 1)] int64, staged for "all accepted" -> moved back
+    slots_ptr,  # [B * (K + 1)] int64 -> from the block table at the real positions
+    lens_ptr,  # [B] int32 context lengths, staged for "all accepted" -> moved back
+    bt_ptr,  # [B, M] int32 block tables
+    stride_prev,
+    stride_bt,
+    block_size,
+    K_PREV: tl.constexpr,
+    K: tl.constexpr,
+    Q: tl.constexpr,  # power of two >= K + 1
+):
+    seq = tl.program_id(0).to(tl.int64)
+    row = prev_ptr + seq * stride_prev
+    num_emitted = tl.load(row + _NUM_EMITTED)
+    rejected = tl.load(row + _NUM_SLOTS) - (num_emitted - 1)
+    bonus = tl.load(row + _FIXED + num_emitted - 1)
+    j = tl.arange(0, Q)
+    inside = j < K + 1
+    drafts = tl.load(row + _FIXED + K_PREV + j, mask=inside & (j >= 1), other=0)  # next draft j - 1
+    base = seq * (K + 1)
+    tl.store(ids_ptr + base + j, tl.where(j == 0, bonus, drafts), mask=inside)
+    pos = tl.load(pos_ptr + base + j, mask=inside, other=0) - rejected
+    tl.store(pos_ptr + base + j, pos, mask=inside)
+    block = tl.load(bt_ptr + seq * stride_bt + pos // block_size, mask=inside, other=0)
+    tl.store(slots_ptr + base + j, block.to(tl.int64) * block_size + pos % block_size, mask=inside)
+    tl.store(lens_ptr + seq, (tl.load(lens_ptr + seq) - rejected).to(tl.int32))
+
+
+def launch_chain_feed(
+    prev: torch.Tensor,  # [B, PACKED_FIXED + K_prev + 1 + K] int64
+    k_prev: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """A chained step's inputs from the previous step's packed output (device_chain.feed_inputs)."""
+    num_seqs = prev.shape[0]
+    k = prev.shape[1] - PACKED_FIXED - k_prev - 1
+    _chain_feed_kernel[(num_seqs,)](
+        prev,
+        input_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        block_tables,
+        prev.stride(0),
+        block_tables.stride(0),
+        block_size,
+        K_PREV=k_prev,
+        K=k,
+        Q=triton.next_power_of_2(k + 1),
+        num_warps=1,
+    )

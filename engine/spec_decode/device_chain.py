@@ -8,8 +8,9 @@ speculative n-gram). Here an all-greedy step ends with one kernel (`accept_and_p
 accepts the drafts against the argmax, appends the emitted tokens to each sequence's device
 token history and drafts the next K tokens by prompt lookup (longest suffix match, the latest);
 the next step's inputs (bonus token + drafts, positions, slots, context lengths) are then fixed
-up on the device from the accepted counts (`feed_inputs`). The host learns the tokens one step
-later, from a pinned copy enqueued with the step (core/spec_lookahead.py resolves them).
+up on the device from the accepted counts (`feed_inputs`, one more kernel). The host learns the
+tokens one step later, from one pinned copy of the packed result enqueued with the step
+(core/spec_lookahead.py resolves them).
 
 Rows of the history are the rows of the step's batch; a chain keeps its batch (any change
 ends it, and the next chain's first step uploads the histories again).
@@ -20,35 +21,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from pagedinfer.kernels.ngram_ops import accept_and_propose
+from pagedinfer.kernels import ngram_ops, ngram_reference
+from pagedinfer.kernels.ngram_layout import (
+    COL_HAS_MATCH,
+    COL_NUM_DRAFTS,
+    COL_NUM_EMITTED,
+    COL_NUM_SLOTS,
+    PACKED_FIXED,
+)
 
 
 @dataclass
 class ChainStep:
-    """One launched step's device-side outcome: what each sequence emitted and its next drafts."""
+    """One launched step's device-side outcome, packed [B, PACKED_FIXED + K_step + 1 + K] int64:
+    draft rows planned, drafts verified, tokens emitted, has-match, emitted tokens, next drafts."""
 
-    num_slots: torch.Tensor  # [B] int64 draft rows per sequence in the step (what the host planned)
-    num_drafts: torch.Tensor  # [B] int64 drafts verified per sequence (0 for filler: no match)
-    num_emitted: torch.Tensor  # [B] int64 accepted drafts + 1
-    emitted: torch.Tensor  # [B, K_step + 1] int64 (0-padded past num_emitted)
-    next_drafts: torch.Tensor  # [B, K] int64
-    has_match: torch.Tensor  # [B] bool: next_drafts come from a match (else filler)
-    host: torch.Tensor  # [B, 3 + K_step + 1 + K] int64 on the host (pinned on CUDA)
+    packed: torch.Tensor
+    k_step: int  # draft rows per sequence this step could hold (its emitted width is k_step + 1)
+    host: torch.Tensor  # the same on the host (pinned on CUDA)
     ready: torch.cuda.Event | None  # after the host copy (None: on the CPU, ready now)
 
     def to_host(self) -> HostChainStep:
         if self.ready is not None:
             self.ready.synchronize()
         rows = self.host.tolist()
-        width = self.emitted.shape[1]
+        first_next = PACKED_FIXED + self.k_step + 1
         return HostChainStep(
-            num_drafts=[r[0] for r in rows],
-            emitted=[r[3 : 3 + r[1]] for r in rows],
-            has_match=[bool(r[2]) for r in rows],
-            next_drafts=[r[3 + width :] for r in rows],
+            num_drafts=[r[COL_NUM_DRAFTS] for r in rows],
+            emitted=[r[PACKED_FIXED : PACKED_FIXED + r[COL_NUM_EMITTED]] for r in rows],
+            has_match=[bool(r[COL_HAS_MATCH]) for r in rows],
+            next_drafts=[r[first_next:] for r in rows],
         )
 
 
@@ -77,7 +81,7 @@ class DeviceNgramChain:
         self.k = num_speculative_tokens
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.device = device
-        self.backend = backend
+        self.triton = ngram_ops.select_backend(device, backend) == "triton"
         # One extra column: a step appends up to K + 1 tokens to a history of < max_model_len.
         width = max_model_len + num_speculative_tokens + 1
         self.history = torch.zeros((max_seqs, width), dtype=torch.int32, device=device)
@@ -85,6 +89,8 @@ class DeviceNgramChain:
         self._pin = device.type == "cuda"
         self._staging = torch.zeros((max_seqs, width), dtype=torch.int32, pin_memory=self._pin)
         self._staging_len = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=self._pin)
+        # A first step's groups, flat: first rows [B], draft counts [B], drafts [B, K] (0-padded)
+        self._groups = torch.zeros(max_seqs * (2 + self.k), dtype=torch.int64, pin_memory=self._pin)
 
     def start(self, token_lists: Sequence[Sequence[int]]) -> None:
         """Upload the histories of a chain's first step (row b: sequence b's known tokens)."""
@@ -102,42 +108,47 @@ class DeviceNgramChain:
         argmax: torch.Tensor,  # [R] greedy token per logits row
         first_rows: Sequence[int],  # [B] host: first row of each sequence's group
         drafts: Sequence[Sequence[int]] | None,  # host drafts per group (a chain's first step)
-        fed: ChainStep | None,  # the step before, whose drafts this step verified (chained)
+        fed: ChainStep | None,  # the step before, whose drafts this step verifies (chained)
     ) -> ChainStep:
         """Enqueue acceptance + the next drafts for a step's B groups, and their host copy."""
-        num_seqs = len(first_rows)
-        device = argmax.device
-        rows = torch.tensor(first_rows, dtype=torch.int64, pin_memory=self._pin).to(device, non_blocking=True)
-        if fed is not None:
-            draft_ids = fed.next_drafts
-            num_slots = torch.full((num_seqs,), draft_ids.shape[1], dtype=torch.int64, device=device)
-            # Filler drafts (no match) are not verified: the row emits its bonus token only.
-            num_drafts = torch.where(fed.has_match, num_slots, 0)
+        num_seqs, k = len(first_rows), self.k
+        history, history_len = self.history[:num_seqs], self.history_len[:num_seqs]
+        ngram = (self.ngram_min, self.ngram_max, k)
+        if fed is not None:  # its next drafts, verified where they came from a match
+            next_col = PACKED_FIXED + fed.k_step + 1
+            drafts_dev, has_match = fed.packed[:, next_col:], fed.packed[:, COL_HAS_MATCH]
+            if self.triton:
+                packed = ngram_ops.launch_packed(
+                    argmax, None, drafts_dev, has_match, k, history, history_len, *ngram
+                )
+            else:
+                rows = torch.arange(num_seqs, device=argmax.device) * (k + 1)
+                slots = torch.full((num_seqs,), k, dtype=torch.int64, device=argmax.device)
+                packed = _reference_packed(
+                    argmax, rows, drafts_dev, has_match * k, slots, history, history_len, ngram
+                )
         else:
-            width = max((len(d) for d in drafts), default=0)
-            padded = np.zeros((num_seqs, max(width, 1)), dtype=np.int64)
+            size = num_seqs * (2 + k)
+            flat = self._groups.numpy()[:size]
+            flat[:] = 0
+            flat[:num_seqs] = first_rows
+            padded = flat[2 * num_seqs :].reshape(num_seqs, k)
             for b, d in enumerate(drafts):
+                flat[num_seqs + b] = len(d)
                 padded[b, : len(d)] = d
-            counts = [len(d) for d in drafts]
-            draft_ids = _to_device(torch.from_numpy(padded), device, self._pin)
-            num_drafts = _to_device(torch.tensor(counts, dtype=torch.int64), device, self._pin)
-            num_slots = num_drafts
-        num_emitted, emitted, next_drafts, has_match = accept_and_propose(
-            argmax,
-            rows,
-            draft_ids,
-            num_drafts,
-            self.history[:num_seqs],
-            self.history_len[:num_seqs],
-            self.ngram_min,
-            self.ngram_max,
-            self.k,
-            backend=self.backend,
-        )
-        packed = torch.cat(
-            [num_drafts[:, None], num_emitted[:, None], has_match[:, None].long(), emitted, next_drafts],
-            dim=1,
-        )
+            staged = self._groups[:size].to(argmax.device, non_blocking=True)
+            if not self._pin:  # on the CPU .to() is the staging buffer itself, reused next step
+                staged = staged.clone()
+            rows, counts = staged[:num_seqs], staged[num_seqs : 2 * num_seqs]
+            drafts_dev = staged[2 * num_seqs :].view(num_seqs, k)
+            if self.triton:
+                packed = ngram_ops.launch_packed(
+                    argmax, rows, drafts_dev, counts, 1, history, history_len, *ngram
+                )
+            else:
+                packed = _reference_packed(
+                    argmax, rows, drafts_dev, counts, counts, history, history_len, ngram
+                )
         ready = None
         if self._pin:
             host = packed.to("cpu", non_blocking=True)
@@ -145,7 +156,25 @@ class DeviceNgramChain:
             ready.record()
         else:
             host = packed
-        return ChainStep(num_slots, num_drafts, num_emitted, emitted, next_drafts, has_match, host, ready)
+        return ChainStep(packed, k, host, ready)
+
+
+def _reference_packed(
+    argmax, rows, drafts, num_drafts, num_slots, history, history_len, ngram
+) -> torch.Tensor:
+    """The torch path's result in the Triton kernel's packed layout."""
+    out = ngram_reference.accept_and_propose(argmax, rows, drafts, num_drafts, history, history_len, *ngram)
+    return torch.cat(
+        [
+            num_slots[:, None],
+            num_drafts[:, None],
+            out.num_emitted[:, None],
+            out.has_match[:, None].long(),
+            out.emitted,
+            out.next_drafts,
+        ],
+        dim=1,
+    )
 
 
 def feed_inputs(
@@ -164,20 +193,29 @@ def feed_inputs(
     the real one); here they move back by that step's rejected drafts, and the token ids become
     its bonus token followed by its next drafts.
     """
-    num_seqs, k = prev.next_drafts.shape
-    q = k + 1
+    args = (input_ids, positions, slot_mapping, seq_lens, block_tables, block_size)
+    if prev.packed.is_cuda and ngram_ops.triton_available():
+        ngram_ops.launch_chain_feed(prev.packed, prev.k_step, *args)
+    else:
+        feed_inputs_torch(prev, *args)
+
+
+def feed_inputs_torch(
+    prev: ChainStep, input_ids, positions, slot_mapping, seq_lens, block_tables, block_size
+) -> None:
+    """`feed_inputs` in torch ops (the CPU path; the oracle of the Triton kernel)."""
+    packed = prev.packed
+    num_seqs = packed.shape[0]
+    next_col = PACKED_FIXED + prev.k_step + 1
+    next_drafts = packed[:, next_col:]
+    q = next_drafts.shape[1] + 1
     num_tokens = num_seqs * q
-    rejected = prev.num_slots - (prev.num_emitted - 1)  # [B] draft rows whose KV is not kept
-    bonus = prev.emitted.gather(1, (prev.num_emitted - 1)[:, None])  # [B, 1]
-    input_ids[:num_tokens].view(num_seqs, q).copy_(torch.cat([bonus, prev.next_drafts], dim=1))
+    num_emitted = packed[:, COL_NUM_EMITTED]
+    rejected = packed[:, COL_NUM_SLOTS] - (num_emitted - 1)  # [B] draft rows whose KV is not kept
+    bonus = packed[:, PACKED_FIXED:next_col].gather(1, (num_emitted - 1)[:, None])  # [B, 1]
+    input_ids[:num_tokens].view(num_seqs, q).copy_(torch.cat([bonus, next_drafts], dim=1))
     pos = positions[:num_tokens].view(num_seqs, q)
     pos.sub_(rejected[:, None])
     seq_lens[:num_seqs].sub_(rejected.to(seq_lens.dtype))
     blocks = block_tables[:num_seqs].gather(1, (pos // block_size).to(torch.int64))  # [B, q]
     slot_mapping[:num_tokens].view(num_seqs, q).copy_(blocks.to(torch.int64) * block_size + pos % block_size)
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    if pin:
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)

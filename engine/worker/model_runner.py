@@ -240,15 +240,15 @@ class ModelRunner:
         start, rows, groups = fwd.start, fwd.rows, fwd.groups
         if not rows:
             return PendingStep(start, rows, groups, None, None, None)
+        if fwd.fed_chain is not None:  # all plain greedy, as the chain's first step was
+            return self._launch_chained(fwd, None)
         # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
         eos = [self.config.eos_token_ids] * len(rows)
         meta = self.sampling_metadata.build(rows, eos)
-        if chain or fwd.fed_chain is not None:
+        if chain:
             pending = self._launch_chained(fwd, meta)
             if pending is not None:
                 return pending
-            if fwd.fed_chain is not None:
-                raise ValueError("a chained speculative step must be all plain greedy")
         speculative = self.spec_decoder is not None and any(g.draft_token_ids for g in groups)
         # A plain greedy batch samples (or verifies, see SpecVerifier) the argmax of the GEMM's own
         # output: no fp32 copy of [N, V].
@@ -269,12 +269,13 @@ class ModelRunner:
         host_ids = self._to_host(sampled.token_ids)
         return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event(), host_ids)
 
-    def _launch_chained(self, fwd: LaunchedForward, meta: SamplingMetadata) -> PendingStep | None:
+    def _launch_chained(self, fwd: LaunchedForward, meta: SamplingMetadata | None) -> PendingStep | None:
         """`launch_sampling` deciding on the device: the argmax of every row, acceptance, the next
-        drafts (spec_decode/device_chain.py). None when the step does not allow it."""
+        drafts (spec_decode/device_chain.py). None when the step does not allow it; `meta` None:
+        a chained step (checked when its chain started)."""
         chain = getattr(self.spec_decoder, "device_chain", None)
         rows, groups = fwd.rows, fwd.groups
-        if (
+        if meta is not None and (
             chain is None
             or not is_plain_greedy(meta)
             or meta.max_num_logprobs >= 0
@@ -311,10 +312,10 @@ class ModelRunner:
         """Wait for a launched step and turn its samples into per-sequence tokens."""
         if pending is None:
             return ModelRunnerOutput([])
-        if pending.meta is None:
-            result = ModelRunnerOutput([])
-        elif pending.chain is not None:
+        if pending.chain is not None:
             result = _chain_output(pending.chain.to_host(), pending.groups)
+        elif pending.meta is None:
+            result = ModelRunnerOutput([])
         elif pending.sampled is None:
             argmax = None
             if pending.greedy_argmax is not None:
@@ -349,6 +350,8 @@ class ModelRunner:
         self, sched: SchedulerOutput
     ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
         qsl = sched.layout.query_start_loc
+        if sched.feeds_drafts:
+            return self._chained_sampling_plan(sched)
         if not any(s.num_spec_tokens or s.fork_rows for s in sched.sequences):
             return self._decode_sampling_plan(sched)
         if not any(s.fork_rows for s in sched.sequences):
@@ -377,6 +380,17 @@ class ModelRunner:
                 logits_rows.append(end - 1)
                 rows.append(fork)
         return np.asarray(logits_rows, dtype=np.int64), rows, groups
+
+    @staticmethod
+    def _chained_sampling_plan(
+        sched: SchedulerOutput,
+    ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
+        """A chained step's plan: every sequence's K + 1 rows, decided on the device (the drafts
+        are not on the host yet, and no per-row sampling parameters are needed)."""
+        q = sched.sequences[0].num_new_tokens
+        rows = [s.sample for s in sched.sequences]
+        groups = [VerifyGroup(s.seq_id, b * q, []) for b, s in enumerate(sched.sequences)]
+        return np.arange(len(rows) * q, dtype=np.int64), rows, groups
 
     @staticmethod
     def _spec_sampling_plan(

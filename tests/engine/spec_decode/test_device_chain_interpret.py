@@ -1,0 +1,106 @@
+"""The chained n-gram kernels (kernels/ngram_propose.py: packed accept + propose in a chain's first
+and chained steps, and the input feed) under TRITON_INTERPRET=1 against the torch path, over
+several steps of a simulated chain on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+K, BLOCK_SIZE, MAX_LEN, STEPS = 3, 4, 96, 6
+
+
+def simulate(backend: str, seed: int) -> list:
+    """A chain of STEPS steps over B sequences: step 0 verifies host drafts, later ones the device
+    drafts; each step's argmax agrees with a random prefix of its drafts. Records every packed
+    result, the histories and the fed inputs."""
+    from pagedinfer.engine.spec_decode.device_chain import (
+        DeviceNgramChain,
+        feed_inputs,
+        feed_inputs_torch,
+    )
+
+    rng = random.Random(seed)
+    num_seqs = rng.randint(1, 5)
+    chain = DeviceNgramChain(8, MAX_LEN, K, 1, 3, torch.device("cpu"), backend)
+    histories = [[rng.randrange(2, 9) for _ in range(rng.randint(2, 30))] for _ in range(num_seqs)]
+    chain.start(histories)
+    host_drafts = [[rng.randrange(2, 9) for _ in range(rng.randint(0, K))] for _ in range(num_seqs)]
+    record, prev, prev_next = [], None, []
+    for _ in range(STEPS):
+        drafts = host_drafts if prev is None else prev_next
+        counts = [len(d) for d in drafts] if prev is None else [K] * num_seqs
+        first_rows, argmax, row = [], [], 0
+        for d, n in zip(drafts, counts, strict=True):
+            first_rows.append(row)
+            agree = rng.randint(0, n)
+            argmax += [*d[:agree], *(rng.randrange(2, 9) for _ in range(n + 1 - agree))]
+            row += n + 1
+        out = chain.accept(torch.tensor(argmax), first_rows, None if prev else host_drafts, prev)
+        packed = out.packed.tolist()
+        prev_next = [r[-K:] for r in packed]
+        record.append({"packed": packed, "history": chain.history[:num_seqs].tolist()})
+        # The next step's staged inputs ("all accepted") and their device feed, both paths.
+        bases = [rng.randint(0, 40) for _ in range(num_seqs)]
+        gen = torch.Generator().manual_seed(seed * 100 + len(record))
+        tables = torch.randint(0, 50, (num_seqs, MAX_LEN // BLOCK_SIZE), dtype=torch.int32, generator=gen)
+        fed = []
+        for feed in ((feed_inputs if backend == "triton" else feed_inputs_torch), feed_inputs_torch):
+            q = K + 1
+            ids = torch.zeros(num_seqs * q, dtype=torch.int64)
+            pos = torch.tensor(
+                [b + r[0] + j for b, r in zip(bases, packed, strict=True) for j in range(q)],
+                dtype=torch.int64,
+            )
+            slots = torch.full((num_seqs * q,), -1, dtype=torch.int64)
+            lens = torch.tensor([b + r[0] + q for b, r in zip(bases, packed, strict=True)], dtype=torch.int32)
+            if backend == "triton" and feed is feed_inputs:
+                from pagedinfer.kernels import ngram_ops
+
+                ngram_ops.launch_chain_feed(out.packed, out.k_step, ids, pos, slots, lens, tables, BLOCK_SIZE)
+            else:
+                feed(out, ids, pos, slots, lens, tables, BLOCK_SIZE)
+            fed.append([ids.tolist(), pos.tolist(), slots.tolist(), lens.tolist()])
+        record[-1]["fed"] = fed
+        prev = out
+    return record
+
+
+def main(path: str) -> None:
+    Path(path).write_text(json.dumps({str(seed): simulate("triton", seed) for seed in range(6)}))
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    pytest.importorskip("triton")
+    out = tmp_path_factory.mktemp("chain_interp") / "results.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    cmd = [sys.executable, "-m", "tests.engine.spec_decode.test_device_chain_interpret", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_chain_matches_the_torch_chain(interpreted, seed):
+    want = simulate("reference", seed)
+    got = interpreted[str(seed)]
+    assert got == want
+    for step in want:
+        triton_fed, torch_fed = step["fed"]
+        assert triton_fed == torch_fed
+    # the chain really accepted drafts and moved inputs back somewhere
+    assert any(r[2] > 1 for step in want for r in step["packed"])
+    assert any(r[0] > r[2] - 1 for step in want for r in step["packed"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
