@@ -51,6 +51,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--speculative-model", default=None, help="draft model URI (with --speculative-method draft)"
     )
     eng.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens)
+    eng.add_argument(
+        "--speculative-device-chain",
+        action=argparse.BooleanOptionalAction,
+        default=SpeculativeConfig.device_chain,
+        help="ngram: greedy batches accept and draft on the device, so speculative steps are planned "
+        "ahead with --async-scheduling (off: every speculative step is synchronous)",
+    )
     eng.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     eng.add_argument(
@@ -126,6 +133,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.speculative_model,
+        device_chain=args.speculative_device_chain,
     )
     device = DeviceConfig(device=args.device, dtype=args.dtype, enable_cuda_graphs=not args.enforce_eager)
     config = EngineConfig(

@@ -105,3 +105,12 @@ def test_the_cli_refuses_several_api_servers_without_an_engine_process():
     argv += ["--api-server-count", "2", "--no-engine-process"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir())
     assert result.returncode != 0 and "drop --no-engine-process" in result.stderr, result
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], True), (["--no-speculative-device-chain"], False)])
+def test_speculative_device_chain_flag(flag, expected):
+    from pagedinfer.engine.server.cli_args import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
+    spec = engine_config_from_args(args).speculative
+    assert spec.method == "ngram" and spec.device_chain is expected
