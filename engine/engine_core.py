@@ -233,10 +233,14 @@ class EngineCore:
             if ahead is not None:
                 resolve_lookahead(self.scheduler, ahead)
         if self.spec_decoder is not None:
+            applied = None
+            if sched.feeds_drafts:  # rows of sequences that stopped the step before do not count
+                applied = {u.seq_id for u in updates}
+                _count_applied(result, applied)
             if self._inflight is None:  # learn acceptance, draft the next step's tokens
-                self.spec_decoder.after_step(sched, result, self.scheduler.running)
-            else:  # the next step is already launched without drafts: only learn
-                self.spec_decoder.observe(sched, result)
+                self.spec_decoder.after_step(sched, result, self.scheduler.running, applied)
+            else:  # the next step is already launched: only learn
+                self.spec_decoder.observe(sched, result, applied)
         self.last_step_phases = StepPhases(
             t_sched - start,
             t_forward - t_sched,
@@ -362,3 +366,15 @@ class EngineCore:
             "kv_free_blocks": float(self.scheduler.kv.num_free_blocks),
             "kv_total_blocks": float(self.scheduler.kv.num_blocks),
         }
+
+
+def _count_applied(result: ModelRunnerOutput, applied: set[int]) -> None:
+    """A chained step's draft totals over the sequences whose tokens it applied."""
+    pairs = [
+        (len(st.token_ids), k)
+        for st, k in zip(result.sampled, result.verified_drafts, strict=True)
+        if st.seq_id in applied
+    ]
+    result.num_draft_tokens = sum(k for _, k in pairs)
+    result.num_accepted_tokens = sum(n - 1 for n, _ in pairs)
+    result.num_verified_seqs = sum(1 for _, k in pairs if k)

@@ -138,10 +138,15 @@ def drop_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
             scheduler.unadmit(seq)
     for s in lookahead.sequences[: lookahead.num_fed]:
         seq = by_seq_id.get(s.seq_id)
-        if seq is None or seq.status is not running or seq.num_kv_tokens <= s.num_computed_tokens:
-            continue  # finished (its blocks are gone) or already given back
-        copies += kv.truncate(s.seq_id, s.num_computed_tokens)
-        seq.num_kv_tokens = s.num_computed_tokens
+        if seq is None or seq.status is not running:
+            continue  # finished: its blocks are gone
+        # A chained speculative step (core/spec_lookahead.py) reserved KV past drafts that may not
+        # survive: back to what the sequence has computed, whether N's update ran or not.
+        keep = seq.num_computed_tokens if lookahead.feeds_drafts else s.num_computed_tokens
+        if seq.num_kv_tokens <= keep:
+            continue  # already given back
+        copies += kv.truncate(s.seq_id, keep)
+        seq.num_kv_tokens = keep
         owned.update(kv.block_table(s.seq_id))
     scheduler._pending_copies += [c for c in lookahead.block_copies if c[1] in owned] + copies
 

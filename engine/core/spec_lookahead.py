@@ -57,7 +57,9 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
         if row is None or s.fork_rows:
             return None
         seq = by_seq_id.get(s.seq_id)
-        if seq is None or seq.status is not running or seq.spec_token_ids or seq.pending_children:
+        if seq is None or seq.status is not running or seq.pending_children:
+            return None
+        if len(seq.spec_token_ids) != s.num_spec_tokens:  # N's own drafts are fine (update clears them)
             return None
         end = s.num_computed_tokens + len(s.token_ids)
         if seq.num_kv_tokens != end or seq.num_computed_tokens != s.num_computed_tokens:
@@ -133,5 +135,10 @@ def resolve_spec_lookahead(
 
 
 def _may_admit(scheduler: Scheduler) -> bool:
-    """A waiting request the synchronous scheduler could seat (a chain would keep it waiting)."""
-    return bool(scheduler.waiting) and scheduler._num_seats_taken() < scheduler.config.max_num_seqs
+    """A waiting request the synchronous scheduler could seat and give blocks (a chain would keep
+    it waiting); one that fits no free blocks cannot be admitted by either."""
+    if not scheduler.waiting or scheduler._num_seats_taken() >= scheduler.config.max_num_seqs:
+        return False
+    kv = scheduler.kv
+    free = kv.num_free_blocks - kv.watermark_blocks
+    return any(kv.blocks_for_tokens(r.num_tokens) <= free for r in scheduler.waiting)

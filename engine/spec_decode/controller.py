@@ -165,18 +165,31 @@ class SpeculativeDecoder:
 
     # ---- engine: after scheduler.update ---------------------------------------------------------
     def after_step(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput, running: Sequence[Request]
+        self,
+        sched: SchedulerOutput,
+        result: ModelRunnerOutput,
+        running: Sequence[Request],
+        applied: set[int] | None = None,
     ) -> None:
         """The engine's one call per step: learn from this step's verifications, draft the next."""
-        self.observe(sched, result)
+        self.observe(sched, result, applied)
         self.propose(running)
 
-    def observe(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Feed acceptance per sequence to the policy and the totals."""
+    def observe(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, applied: set[int] | None = None
+    ) -> None:
+        """Feed acceptance per sequence to the policy and the totals; `applied`: the sequences
+        whose tokens the step applied (a chained step also computes rows of sequences that
+        stopped the step before: not counted)."""
         if result.verified_drafts is not None:  # decided on the device: filler drafts not verified
-            num_spec = {st.seq_id: k for st, k in zip(result.sampled, result.verified_drafts, strict=True)}
+            num_spec = {
+                st.seq_id: k
+                for st, k in zip(result.sampled, result.verified_drafts, strict=True)
+                if applied is None or st.seq_id in applied
+            }
+            self._known.update(num_spec)  # forgotten by a later propose() once gone
             if sched.feeds_drafts:  # its drafts came from the device proposer: 0 = no match
-                self.stats.num_unmatched_sequence_steps += result.verified_drafts.count(0)
+                self.stats.num_unmatched_sequence_steps += sum(1 for k in num_spec.values() if k == 0)
         else:
             num_spec = {s.seq_id: s.num_spec_tokens for s in sched.sequences if s.num_spec_tokens > 0}
         for sampled in result.sampled:

@@ -1,0 +1,124 @@
+"""Chained speculative steps on the host side (core/spec_lookahead.py): what step N+1 reserves and
+stages before N's acceptance is known, and what it becomes once N's tokens are applied."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedinfer.engine.config import SchedulerConfig
+from pagedinfer.engine.core.block_pool_ref import BlockManager
+from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID, drop_lookahead
+from pagedinfer.engine.core.scheduler import Scheduler
+from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens
+from pagedinfer.engine.core.spec_lookahead import plan_spec_lookahead, resolve_spec_lookahead
+from pagedinfer.engine.request import Request
+from pagedinfer.engine.sampling_params import SamplingParams
+
+K = 3
+BLOCK = 4
+
+
+def _scheduler(num_blocks: int = 64) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BLOCK, backend_factory=lambda n, b, p: BlockManager(n, b, p))
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    return Scheduler(config, kv, 64, clock=lambda: 0.0)
+
+
+def _verifying(s: Scheduler, drafts: list[list[int]]):
+    """Sequences past their prefill, then a step N verifying the given host drafts."""
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    for i in range(len(drafts)):
+        s.add_request(Request(i, f"r{i}", 0, [5 + i] * (3 + 2 * i), params, 0.0, eos_token_ids=(2,)))
+    first = s.schedule()
+    s.update(first, ModelRunnerOutput([SampledTokens(x.seq_id, [7]) for x in first.sequences]))
+    for seq, d in zip(s.running, drafts, strict=True):
+        seq.spec_token_ids = list(d)
+    return s.schedule()
+
+
+def _record(s: Scheduler, seq_id: int) -> list[int]:
+    kv = s.kv
+    tokens = []
+    for block in kv.block_table(seq_id):
+        tokens += list(kv._blocks.block_tokens(block))
+    return tokens[: kv.num_tokens(seq_id)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_plan_then_resolve_matches_what_ran(seed):
+    rng = random.Random(seed)
+    s = _scheduler()
+    drafts = [[rng.randrange(3, 30) for _ in range(rng.randint(0, K))] for _ in range(rng.randint(1, 4))]
+    step_n = _verifying(s, drafts)
+    nxt = plan_spec_lookahead(s, step_n, K)
+    assert nxt is not None  # N's own host drafts do not stop a chain from starting
+    assert nxt.feeds_drafts and all(x.num_spec_tokens == K for x in nxt.sequences)
+    q = K + 1
+    for b, (x, n, d) in enumerate(zip(nxt.sequences, step_n.sequences, drafts, strict=True)):
+        base = n.num_computed_tokens + len(n.token_ids) - len(d)  # N's drafts all rejected
+        # staged for "all accepted": positions base + len(d) + j, context base + len(d) + q
+        assert nxt.layout.positions[b * q : (b + 1) * q].tolist() == [base + len(d) + j for j in range(q)]
+        assert nxt.layout.context_lens[b] == base + len(d) + q
+        assert s.get_sequence(x.seq_id).num_kv_tokens == base + len(d) + q
+        assert x.token_ids == [PLACEHOLDER_TOKEN_ID] * q
+    # N's outcome: a random accepted prefix of each sequence's drafts + a bonus token; the device's
+    # next drafts for N+1.
+    sampled, next_drafts = [], []
+    for n, d in zip(step_n.sequences, drafts, strict=True):
+        a = rng.randint(0, len(d))
+        sampled.append(SampledTokens(n.seq_id, [*d[:a], 40 + n.seq_id]))
+        next_drafts.append([rng.randrange(3, 30) for _ in range(K)])
+    result = ModelRunnerOutput(sampled, next_drafts=next_drafts)
+    s.update(step_n, result, frozenset(x.seq_id for x in nxt.sequences))
+    resolve_spec_lookahead(s, nxt, result)
+    for x, st, nd in zip(nxt.sequences, sampled, next_drafts, strict=True):
+        seq = s.get_sequence(x.seq_id)
+        assert seq.spec_token_ids == []
+        assert x.num_computed_tokens == seq.num_computed_tokens == seq.num_tokens - 1
+        assert x.token_ids == [st.token_ids[-1], *nd]
+        assert x.sample.output_position == len(seq.output_token_ids)
+        # the KV record: the known tokens, then N+1's inputs after the bonus token; nothing past
+        assert seq.num_kv_tokens == seq.num_computed_tokens + q == s.kv.num_tokens(x.seq_id)
+        assert _record(s, x.seq_id) == [*seq.prompt_token_ids, *seq.output_token_ids, *nd]
+    drop_lookahead(s, nxt)  # never collected: back to what each sequence has computed
+    for x in nxt.sequences:
+        seq = s.get_sequence(x.seq_id)
+        assert seq.num_kv_tokens == seq.num_computed_tokens == s.kv.num_tokens(x.seq_id)
+
+
+def test_no_chain_when_a_waiting_request_could_be_admitted_or_a_sequence_ends():
+    s = _scheduler()
+    step_n = _verifying(s, [[9, 9], [8]])
+    s.add_request(
+        Request(9, "w", 0, [3] * 5, SamplingParams(max_tokens=4, temperature=0.0), 0.0, eos_token_ids=(2,))
+    )
+    assert plan_spec_lookahead(s, step_n, K) is None  # the synchronous step admits it
+    s2 = _scheduler(num_blocks=8)
+    step_n = _verifying(s2, [[9]])
+    s2.add_request(Request(9, "w", 0, [3] * 40, SamplingParams(max_tokens=4), 0.0, eos_token_ids=(2,)))
+    assert plan_spec_lookahead(s2, step_n, K) is not None  # it fits no free blocks: waits anyway
+    s3 = _scheduler()
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    s3.add_request(Request(0, "r", 0, [5, 6, 7], params, 0.0, eos_token_ids=(2,)))
+    first = s3.schedule()
+    s3.update(first, ModelRunnerOutput([SampledTokens(0, [7])]))
+    assert plan_spec_lookahead(s3, s3.schedule(), K) is None  # ends at N for certain (max_tokens)
+
+
+def test_a_dropped_chained_step_gives_back_its_reservation_before_or_after_the_update():
+    """The step fails between N's update and N+1's resolve, or before N's update: either way the
+    sequences keep KV for exactly what they have computed, so the next synchronous step is exact."""
+    for update_first in (False, True):
+        s = _scheduler()
+        step_n = _verifying(s, [[9, 9, 9], [8, 8]])
+        nxt = plan_spec_lookahead(s, step_n, K)
+        if update_first:
+            sampled = [SampledTokens(x.seq_id, [41]) for x in step_n.sequences]  # all drafts rejected
+            s.update(step_n, ModelRunnerOutput(sampled), frozenset(x.seq_id for x in nxt.sequences))
+        drop_lookahead(s, nxt)
+        for x in nxt.sequences:
+            seq = s.get_sequence(x.seq_id)
+            assert seq.num_kv_tokens == seq.num_computed_tokens == s.kv.num_tokens(x.seq_id)
