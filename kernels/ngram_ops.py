@@ -93,6 +93,8 @@ def accept_and_propose(
     ngram_max: int,
     num_next: int,
     backend: str | None = None,
+    context_window: int = 0,
+    max_ties: int = 32,
 ) -> AcceptProposeOutput:
     """Greedy acceptance of step N's drafts, then step N + 1's n-gram drafts, on the device.
 
@@ -108,12 +110,14 @@ def accept_and_propose(
     check_accept_and_propose(
         argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next
     )
+    if context_window < 0 or max_ties < 1:
+        _fail(f"need context_window >= 0 and max_ties >= 1, got {context_window}, {max_ties}")
     args = (argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next)
     if select_backend(argmax.device, backend) == "triton":
         from pagedinfer.kernels import ngram_propose
 
-        return ngram_propose.accept_and_propose(*args)
-    return ngram_reference.accept_and_propose(*args)
+        return ngram_propose.accept_and_propose(*args, context_window, max_ties)
+    return ngram_reference.accept_and_propose(*args, context_window, max_ties)
 
 
 def launch_packed(*args, **kwargs) -> torch.Tensor:

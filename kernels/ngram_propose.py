@@ -48,6 +48,8 @@ _FIXED = tl.constexpr(PACKED_FIXED)
 
 @triton.jit(
     do_not_specialize=[
+        "window",
+        "max_ties",
         "stride_drafts",
         "stride_num_drafts",
         "drafts_scale",
@@ -76,8 +78,11 @@ def _accept_propose_kernel(
     hist_cap,
     ngram_min,
     num_next,
+    window,  # context tokens compared when ranking equally long matches (CTX > 0)
+    max_ties,  # the latest this many equally long matches are ranked
     max_drafts: tl.constexpr,  # K
     NGRAM_MAX: tl.constexpr,
+    CTX: tl.constexpr,  # 0: no ranking (the latest); else a power of two >= window
     STEPS: tl.constexpr,  # power of two >= K + 1
     NEXT: tl.constexpr,  # power of two >= N
     BLOCK: tl.constexpr,
@@ -134,6 +139,23 @@ def _accept_propose_kernel(
         key = tl.where(match_len >= ngram_min, match_len.to(tl.int64) * hist_cap + ends, -1)
         best = tl.maximum(best, key)
     best_key = tl.max(best, axis=0)
+    if CTX > 0:  # rank equally long matches by their context, as the host proposer does
+        best_key = _rank_ties(
+            hist_row,
+            emit_row,
+            old_len,
+            new_len,
+            emit_max,
+            last,
+            best_key,
+            hist_cap,
+            ngram_min,
+            window,
+            max_ties,
+            NGRAM_MAX,
+            BLOCK,
+            CTX,
+        )
 
     # Next drafts: what followed the match, periodic with period n - 1 - j; no match: the last
     # emitted token repeated.
@@ -151,6 +173,67 @@ def _accept_propose_kernel(
     tl.store(out_row + _HAS_MATCH, has_match.to(tl.int64))
 
 
+@triton.jit
+def _rank_ties(
+    hist_row,
+    emit_row,
+    old_len,
+    new_len,
+    emit_max,
+    last,
+    best_key,
+    hist_cap,
+    ngram_min,
+    window,
+    max_ties,
+    NGRAM_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CTX: tl.constexpr,
+):
+    """The key (length * L + end) of the match find_ngram_draft chooses among the longest: of the
+    latest max_ties ends with the best length, the most of the `window` tokens before the match
+    that occur among the `window` before the suffix, then the latest. A second pass over the
+    tiles, latest first, counting the ties seen so far."""
+    best_len = tl.where(best_key >= 0, best_key // hist_cap, -1)
+    ctx = tl.arange(0, CTX)
+    b_pos = last - best_len - ctx
+    # (wheres, not `scalar & vector`: the interpreter turns that into an int32 mask)
+    b_ok = tl.where(best_len >= 0, (ctx < window) & (b_pos >= 0), False)
+    b_tok = _token_at(hist_row, emit_row, b_pos, old_len, new_len, emit_max, b_ok)
+    b_tok = tl.where(b_ok, b_tok, -1)  # -1: no token
+    lanes = tl.arange(0, BLOCK)
+    ranked = tl.full([BLOCK], -1, tl.int64)
+    ties_later = tl.full([], 0, tl.int32)
+    num_tiles = tl.cdiv(tl.maximum(last, 0), BLOCK)
+    for i in range(0, num_tiles):
+        start = (num_tiles - 1 - i) * BLOCK
+        ends = start + lanes
+        run = ends < last
+        match_len = tl.zeros([BLOCK], tl.int32)
+        for t in tl.static_range(NGRAM_MAX):
+            suffix_t = _token_at(hist_row, emit_row, last - t, old_len, new_len, emit_max, last - t >= 0)
+            src = ends - t
+            tok = _token_at(hist_row, emit_row, src, old_len, new_len, emit_max, (ends < last) & (src >= 0))
+            run = run & (src >= 0) & (tok == suffix_t)
+            match_len += run.to(tl.int32)
+        is_tie = tl.where(best_len >= ngram_min, match_len == best_len, False)
+        tie = is_tie.to(tl.int32)
+        # ties at this end or later: the later tiles', then this tile's from here to its end
+        rank = ties_later + tl.sum(tie, axis=0) - tl.cumsum(tie, axis=0) + tie
+        eligible = is_tie & (rank <= max_ties)
+        overlap = tl.zeros([BLOCK], tl.int64)
+        for w in tl.static_range(CTX):
+            a_pos = ends - best_len - w
+            a_ok = tl.where(w < window, eligible & (a_pos >= 0), False)
+            a_tok = _token_at(hist_row, emit_row, a_pos, old_len, new_len, emit_max, a_ok)
+            seen = tl.max((a_tok[:, None] == b_tok[None, :]).to(tl.int32), axis=1)
+            overlap += tl.where(a_ok, seen, 0).to(tl.int64)
+        ranked = tl.maximum(ranked, tl.where(eligible, overlap * hist_cap + ends, -1))
+        ties_later += tl.sum(tie, axis=0)
+    ranked_key = tl.max(ranked, axis=0)
+    return tl.where(ranked_key >= 0, best_len.to(tl.int64) * hist_cap + ranked_key % hist_cap, best_key)
+
+
 def accept_and_propose(
     argmax: torch.Tensor,
     first_rows: torch.Tensor,
@@ -161,13 +244,27 @@ def accept_and_propose(
     ngram_min: int,
     ngram_max: int,
     num_next: int,
+    context_window: int = 0,
+    max_ties: int = 32,
     block: int = BLOCK,
 ) -> AcceptProposeOutput:
     """Shapes and dtypes as ngram_reference.accept_and_propose (checked by ngram_ops); `block`
     (a power of two) sets the candidate ends per tile. Views of one packed output."""
     num_seqs, max_drafts = drafts.shape
     packed = launch_packed(
-        argmax, first_rows, drafts, num_drafts, 1, history, history_len, ngram_min, ngram_max, num_next, block
+        argmax,
+        first_rows,
+        drafts,
+        num_drafts,
+        1,
+        history,
+        history_len,
+        ngram_min,
+        ngram_max,
+        num_next,
+        block,
+        context_window=context_window,
+        max_ties=max_ties,
     )
     return unpack(packed, max_drafts)
 
@@ -196,6 +293,8 @@ def launch_packed(
     num_next: int,
     block: int = BLOCK,
     out: torch.Tensor | None = None,
+    context_window: int = 0,
+    max_ties: int = 32,
 ) -> torch.Tensor:
     """The kernel with every output in one [B, PACKED_FIXED + K + 1 + num_next] int64 tensor
     (columns COL_*, then emitted, then next drafts): one host copy a step, no packing ops.
@@ -226,8 +325,11 @@ def launch_packed(
         history.shape[1],
         ngram_min,
         num_next,
+        context_window,
+        max_ties,
         max_drafts=max_drafts,
         NGRAM_MAX=ngram_max,
+        CTX=triton.next_power_of_2(context_window) if context_window > 0 else 0,
         STEPS=triton.next_power_of_2(max_drafts + 1),
         NEXT=triton.next_power_of_2(num_next),
         BLOCK=block,

@@ -43,15 +43,21 @@ def accept_and_propose(
     ngram_min: int,
     ngram_max: int,
     num_next: int,
+    context_window: int = 0,
+    max_ties: int = 32,
 ) -> AcceptProposeOutput:
     """argmax [R] int64, first_rows [B] int64, drafts [B, K] int64, num_drafts [B] int64,
-    history [B, L] int32 and history_len [B] int32 (both updated in place). See the module doc."""
+    history [B, L] int32 and history_len [B] int32 (both updated in place). See the module doc.
+    context_window > 0: equally long matches are ranked as find_ngram_draft ranks them (of the
+    latest `max_ties`, the most context overlap, then the latest)."""
     num_accepted, target = _accept(argmax, first_rows, drafts, num_drafts)
     steps = torch.arange(target.shape[1], device=target.device)  # [K + 1]
     emitted = torch.where(steps <= num_accepted[:, None], target, 0)  # [B, K + 1]
     new_len = _append(history, history_len, target, num_accepted)  # [B]
     fill = target.gather(1, num_accepted[:, None])  # [B, 1] the last emitted token
-    next_drafts, has_match = _propose(history, new_len, ngram_min, ngram_max, num_next, fill)
+    next_drafts, has_match = _propose(
+        history, new_len, ngram_min, ngram_max, num_next, fill, context_window, max_ties
+    )
     history_len.copy_(new_len)
     return AcceptProposeOutput(num_accepted + 1, emitted, next_drafts, has_match)
 
@@ -97,12 +103,14 @@ def _propose(
     ngram_max: int,
     num_next: int,
     fill: torch.Tensor,
+    context_window: int = 0,
+    max_ties: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, L], num_tokens [B] int64 (n), fill [B, 1] int64 -> next_drafts [B, num_next]
     int64, has_match [B] bool."""
     hist_cap = tokens.shape[1]
     last = num_tokens - 1  # [B] the suffix ends here
-    end = _match_end(tokens, last, ngram_min, ngram_max)  # [B]
+    end = _match_end(tokens, last, ngram_min, ngram_max, context_window, max_ties)  # [B]
     has_match = end >= 0
     end = end.clamp(min=0)
     period = (last - end).clamp(min=1)  # [B] what follows the match repeats with this period
@@ -120,8 +128,16 @@ def _search_width(tokens: torch.Tensor, last: torch.Tensor) -> int:
     return min(max(int(last.max()), 1), tokens.shape[1])
 
 
-def _match_end(tokens: torch.Tensor, last: torch.Tensor, ngram_min: int, ngram_max: int) -> torch.Tensor:
-    """[B] int64: where the longest, then latest, match of the suffix ending at last ends; -1: none."""
+def _match_end(
+    tokens: torch.Tensor,
+    last: torch.Tensor,
+    ngram_min: int,
+    ngram_max: int,
+    context_window: int = 0,
+    max_ties: int = 32,
+) -> torch.Tensor:
+    """[B] int64: where the longest, then (context_window > 0: of the latest max_ties, the most
+    context overlap, then) latest match of the suffix ending at last ends; -1: none."""
     num_seqs, hist_cap = tokens.shape
     device = tokens.device
     offsets = torch.arange(ngram_max, device=device)  # [M]
@@ -141,4 +157,39 @@ def _match_end(tokens: torch.Tensor, last: torch.Tensor, ngram_min: int, ngram_m
     # Longest, then latest: one key per end, its max per sequence.
     key = torch.where(match_len >= ngram_min, match_len.long() * width + cols, -1)  # [B, W]
     best = key.amax(dim=1)  # [B] (values only: max with indices is ~6x slower on the CPU)
+    if context_window > 0:
+        best = _rank_ties(tokens, last, match_len, best, width, context_window, max_ties)
     return torch.where(best >= 0, best % width, -1)
+
+
+def _rank_ties(
+    tokens: torch.Tensor,  # [B, W]
+    last: torch.Tensor,  # [B] the suffix's last position
+    match_len: torch.Tensor,  # [B, W]
+    best: torch.Tensor,  # [B] longest-then-latest key (length * W + end), -1: none
+    width: int,
+    window: int,
+    max_ties: int,
+) -> torch.Tensor:
+    """The key of the tie find_ngram_draft chooses: among the latest `max_ties` ends with the best
+    length, the most tokens of the `window` before the match that occur among the `window` before
+    the suffix (positions >= 0 only), then the latest."""
+    cols = torch.arange(width, device=tokens.device)  # [W]
+    best_len = torch.where(best >= 0, best // width, -1)  # [B]
+    is_tie = match_len.long() == best_len[:, None]  # [B, W] (none where best_len is -1)
+    rank = is_tie.flip(1).long().cumsum(1).flip(1)  # [B, W] ties at this end or later
+    eligible = is_tie & (rank <= max_ties)
+    steps = torch.arange(window, device=tokens.device)  # [C]
+    b_pos = (last - best_len)[:, None] - steps  # [B, C] the window before the suffix
+    b_tok = tokens.gather(1, b_pos.clamp(0, width - 1))
+    b_tok = torch.where(b_pos >= 0, b_tok, -1)  # -1: no token (ids are >= 0)
+    overlap = torch.zeros_like(match_len, dtype=torch.int64)  # [B, W]
+    a_end = cols - best_len[:, None]  # [B, W] the token before each match
+    for w in range(window):
+        a_pos = a_end - w
+        a_tok = tokens.gather(1, a_pos.clamp(0, width - 1))  # [B, W]
+        seen = (a_tok[:, :, None] == b_tok[:, None, :]).any(dim=2)  # [B, W]
+        overlap += seen & (a_pos >= 0)
+    key = torch.where(eligible, overlap * width + cols, -1)  # most overlap, then latest
+    ranked = key.amax(dim=1) % width  # [B]
+    return torch.where(best >= 0, best_len * width + ranked, best)

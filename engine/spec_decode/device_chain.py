@@ -6,7 +6,8 @@ accepts, proposes and stages the next one while the device idles; for a small mo
 step is host- and launch-bound that idle time is most of a plain step (bench/NOTES.md,
 speculative n-gram). Here an all-greedy step ends with one kernel (`accept_and_propose`) that
 accepts the drafts against the argmax, appends the emitted tokens to each sequence's device
-token history and drafts the next K tokens by prompt lookup (longest suffix match, the latest);
+token history and drafts the next K tokens by prompt lookup with the host proposer's rule
+(spec_decode/ngram.py: longest suffix match, equally long ones ranked by context, then latest);
 the next step's inputs (bonus token + drafts, positions, slots, context lengths) are then fixed
 up on the device from the accepted counts (`feed_inputs`, one more kernel). The host learns the
 tokens one step later, from one pinned copy of the packed result enqueued with the step
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedinfer.engine.spec_decode.ngram import CONTEXT_WINDOW, MAX_RANKED_TIES
 from pagedinfer.kernels import ngram_ops, ngram_reference
 from pagedinfer.kernels.ngram_layout import (
     COL_HAS_MATCH,
@@ -114,12 +116,13 @@ class DeviceNgramChain:
         num_seqs, k = len(first_rows), self.k
         history, history_len = self.history[:num_seqs], self.history_len[:num_seqs]
         ngram = (self.ngram_min, self.ngram_max, k)
+        rank = {"context_window": CONTEXT_WINDOW, "max_ties": MAX_RANKED_TIES}  # as the host proposer
         if fed is not None:  # its next drafts, verified where they came from a match
             next_col = PACKED_FIXED + fed.k_step + 1
             drafts_dev, has_match = fed.packed[:, next_col:], fed.packed[:, COL_HAS_MATCH]
             if self.triton:
                 packed = ngram_ops.launch_packed(
-                    argmax, None, drafts_dev, has_match, k, history, history_len, *ngram
+                    argmax, None, drafts_dev, has_match, k, history, history_len, *ngram, **rank
                 )
             else:
                 rows = torch.arange(num_seqs, device=argmax.device) * (k + 1)
@@ -143,7 +146,7 @@ class DeviceNgramChain:
             drafts_dev = staged[2 * num_seqs :].view(num_seqs, k)
             if self.triton:
                 packed = ngram_ops.launch_packed(
-                    argmax, rows, drafts_dev, counts, 1, history, history_len, *ngram
+                    argmax, rows, drafts_dev, counts, 1, history, history_len, *ngram, **rank
                 )
             else:
                 packed = _reference_packed(
@@ -163,7 +166,9 @@ def _reference_packed(
     argmax, rows, drafts, num_drafts, num_slots, history, history_len, ngram
 ) -> torch.Tensor:
     """The torch path's result in the Triton kernel's packed layout."""
-    out = ngram_reference.accept_and_propose(argmax, rows, drafts, num_drafts, history, history_len, *ngram)
+    out = ngram_reference.accept_and_propose(
+        argmax, rows, drafts, num_drafts, history, history_len, *ngram, CONTEXT_WINDOW, MAX_RANKED_TIES
+    )
     return torch.cat(
         [
             num_slots[:, None],
