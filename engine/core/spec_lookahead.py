@@ -59,8 +59,8 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
         seq = by_seq_id.get(s.seq_id)
         if seq is None or seq.status is not running or seq.pending_children:
             return None
-        if len(seq.spec_token_ids) != s.num_spec_tokens:  # N's own drafts are fine (update clears them)
-            return None
+        if seq.spec_token_ids and len(seq.spec_token_ids) != s.num_spec_tokens:
+            return None  # drafts for a later step (N's own are fine: update clears them)
         end = s.num_computed_tokens + len(s.token_ids)
         if seq.num_kv_tokens != end or seq.num_computed_tokens != s.num_computed_tokens:
             return None  # N's tokens already applied, or KV reserved beyond N's inputs

@@ -82,3 +82,26 @@ def test_prefix_cache_sees_the_real_tokens(tiny_llama_dir, plain):
         reused_output = got.usage.cached_prompt_tokens - (len(prompt) // 4) * 4  # block_size 4
         assert reused_output >= (len(first.token_ids) // 4 - 2) * 4 if follow[-1] else reused_output <= 0
     assert_no_leak(llm)
+
+
+def test_a_chain_runs_until_its_batch_changes(tiny_llama_dir, plain):
+    """Without pauses (min_acceptance_rate 0) one long sequence chains every step after its first
+    two (the prompt's, then the first with host drafts); two sequences until the shorter stops,
+    then again."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0)
+    llm = chained(tiny_llama_dir, spec)
+    prompt = [[5, 6, 7, 8, 9] * 4]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompt, sampling_params=params)] == [
+        o.token_ids for o in plain.generate(prompt_token_ids=prompt, sampling_params=params)
+    ]
+    steps, chained_steps = llm.core._step, llm.core.num_chained_steps
+    assert chained_steps >= steps - 3, (steps, chained_steps)
+    two = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8]
+    lengths = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (10, 60)]
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=two, sampling_params=lengths)] == [
+        o.token_ids for o in plain.generate(prompt_token_ids=two, sampling_params=lengths)
+    ]
+    steps, chained_steps = llm.core._step - steps, llm.core.num_chained_steps - chained_steps
+    assert chained_steps >= steps - 6, (steps, chained_steps)
+    assert_no_leak(llm)
