@@ -1,5 +1,9 @@
 """Host (Python) cost of one speculative (n-gram) decode step vs one plain decode step.
 
+Modes (--modes): plain and spec (synchronous steps), plain_async and chained (async scheduling
+forced on; chained: n-gram steps chained on the device, whose accept + propose and input feed run
+here as torch ops and are taken out of the host time: on a GPU each is one kernel launch).
+
 The sibling of bench/host_overhead.py for issue 6: the real EngineCore (scheduler, KV manager,
 runner, verifier, n-gram proposer) drives a stub model of negligible cost whose greedy output is
 mostly periodic (the next token is the input id + 1 mod 13, jumping at pseudo-random positions), so
@@ -68,7 +72,47 @@ class PeriodicStub(torch.nn.Module):
         return logits
 
 
-def build(batch: int, k: int, clock):
+# mode -> (drafts per step, async scheduling, drafts and acceptance on the device)
+MODES = {
+    "plain": (0, False, False),
+    "spec": (None, False, False),  # None: --k
+    "plain_async": (0, True, False),
+    "chained": (None, True, True),
+}
+
+
+class _DeviceStandIns:
+    """On the CPU a chained step's device work (accept + propose, the input feed) runs as torch ops
+    on the host; on a GPU each is one kernel launch. Their time is counted here and taken out of the
+    host time, like the stub model's."""
+
+    def __init__(self, clock) -> None:
+        from pagedinfer.engine.spec_decode import device_chain
+        from pagedinfer.kernels import ngram_reference
+
+        self.seconds = 0.0
+        self._patched = []
+        for module, name in ((ngram_reference, "accept_and_propose"), (device_chain, "feed_inputs_torch")):
+            fn = getattr(module, name)
+            self._patched.append((module, name, fn))
+            setattr(module, name, self._timed(fn, clock))
+
+    def _timed(self, fn, clock):
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += clock() - t0
+
+        return timed
+
+    def restore(self) -> None:
+        for module, name, fn in self._patched:
+            setattr(module, name, fn)
+
+
+def build(batch: int, k: int, clock, async_scheduling: bool = False, device_chain: bool = False):
     mc = ModelConfig(
         architecture="llama",
         vocab_size=VOCAB,
@@ -83,11 +127,20 @@ def build(batch: int, k: int, clock):
         rope_theta=1e4,
     )
     spec = SpeculativeConfig(
-        method="ngram" if k else None, num_speculative_tokens=max(k, 1), max_batch_size=max(batch, 1)
+        method="ngram" if k else None,
+        num_speculative_tokens=max(k, 1),
+        max_batch_size=max(batch, 1),
+        device_chain=device_chain,
+        min_acceptance_rate=0.0,  # no pauses: a paused sequence would end chains
     )
     cfg = EngineConfig(
         cache=CacheConfig(block_size=16, num_blocks=batch * 60 + 64),
-        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=4096),
+        scheduler=SchedulerConfig(
+            max_num_seqs=batch,
+            max_num_batched_tokens=8192,
+            max_model_len=4096,
+            async_scheduling=async_scheduling,
+        ),
         device=DeviceConfig(device="cpu", dtype="float32"),
         speculative=spec,
     )
@@ -117,9 +170,26 @@ class _Timer:
         return self.marks.get(name + ".end", 0.0) - self.marks.get(name + ".start", 0.0)
 
 
-def measure(batch: int, k: int, num_steps: int, prompt_len: int = 64, seed: int = 0) -> dict:
+def measure(
+    batch: int,
+    k: int,
+    num_steps: int,
+    prompt_len: int = 64,
+    seed: int = 0,
+    async_scheduling: bool = False,
+    device_chain: bool = False,
+) -> dict:
     clock = time.thread_time
-    core, model = build(batch, k, clock)
+    core, model = build(batch, k, clock, async_scheduling, device_chain)
+    stand_ins = _DeviceStandIns(clock)
+    try:
+        return _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed)
+    finally:
+        stand_ins.restore()
+
+
+def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed) -> dict:
+    clock = time.thread_time
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -135,16 +205,20 @@ def measure(batch: int, k: int, num_steps: int, prompt_len: int = 64, seed: int 
     if core.spec_decoder is not None:
         timer.wrap(core.spec_decoder, "after_step")
     rows = []
-    num_emitted = 0
+    num_emitted = num_chained = 0
     for _ in range(num_steps):
         before = sum(r.num_output_tokens for r in core.scheduler.running)
-        model.seconds = 0.0
+        model.seconds = stand_ins.seconds = 0.0
         timer.marks.clear()
+        chained = core.num_chained_steps
         t0 = clock()
         core.step()
-        total = clock() - t0
+        total = clock() - t0 - stand_ins.seconds
+        num_chained += core.num_chained_steps - chained
         num_emitted += sum(r.num_output_tokens for r in core.scheduler.running) - before
-        launch = timer.span("launch_forward") + timer.span("launch_sampling") - model.seconds
+        launch = (
+            timer.span("launch_forward") + timer.span("launch_sampling") - model.seconds - stand_ins.seconds
+        )
         rows.append(
             {
                 "step": total - model.seconds,
@@ -161,6 +235,8 @@ def measure(batch: int, k: int, num_steps: int, prompt_len: int = 64, seed: int 
     out["ms_per_token"] = out["step"] / (out["tokens_per_seq_step"] * batch)
     if core.spec_decoder is not None:
         out["acceptance_rate"] = core.spec_decoder.stats.acceptance_rate
+    out["chained_steps_fraction"] = num_chained / num_steps
+    out["steps_planned_ahead"] = core.num_lookahead_steps
     return out
 
 
@@ -175,24 +251,38 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default="spec_host_overhead_cpu")
     parser.add_argument("--baseline", type=Path, default=None, help="a previous JSON to compare with")
+    parser.add_argument(
+        "--modes",
+        default="plain,spec",
+        help=f"any of {', '.join(MODES)} (plain_async / chained: async scheduling forced on, the "
+        "chained step's device work taken out of its host time like the model's)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     gc.collect()
     results: dict[str, dict] = {}
     for batch in args.batches:
         entry = {}
-        for mode, k in (("plain", 0), ("spec", args.k)):
-            runs = [measure(batch, k, args.steps) for _ in range(args.repeats)]
+        for mode in args.modes.split(","):
+            k, async_scheduling, device_chain = MODES[mode]
+            k = args.k if k is None else k
+            runs = [
+                measure(batch, k, args.steps, async_scheduling=async_scheduling, device_chain=device_chain)
+                for _ in range(args.repeats)
+            ]
             entry[mode] = min(runs, key=lambda r: r["step"])
             line = ", ".join(f"{key} {v:.3f}" for key, v in entry[mode].items())
             print(f"batch {batch:3d} {mode:5s}: {line}")
-        entry["spec_over_plain_step"] = entry["spec"]["step"] / entry["plain"]["step"]
-        print(f"batch {batch:3d}: spec step / plain step host time {entry['spec_over_plain_step']:.2f}x")
+        for spec_mode, plain_mode in (("spec", "plain"), ("chained", "plain_async")):
+            if spec_mode in entry and plain_mode in entry:
+                ratio = entry[spec_mode]["step"] / entry[plain_mode]["step"]
+                entry[f"{spec_mode}_over_{plain_mode}_step"] = ratio
+                print(f"batch {batch:3d}: {spec_mode} step / {plain_mode} step host time {ratio:.2f}x")
         results[str(batch)] = entry
     baseline = json.loads(args.baseline.read_text())["results"] if args.baseline else None
     if baseline:
         for batch, r in results.items():
-            if batch in baseline:
+            if batch in baseline and "spec" in r and "spec" in baseline[batch]:
                 before, after = baseline[batch]["spec"]["step"], r["spec"]["step"]
                 print(
                     f"batch {batch:>3}: spec step host ms {before:.3f} -> {after:.3f} ({before / after:.2f}x less)"

@@ -236,7 +236,8 @@ class EngineCore:
             applied = None
             if sched.feeds_drafts:  # rows of sequences that stopped the step before do not count
                 applied = {u.seq_id for u in updates}
-                _count_applied(result, applied)
+                if len(applied) != len(result.sampled):
+                    _count_applied(result, applied)
             if self._inflight is None:  # learn acceptance, draft the next step's tokens
                 self.spec_decoder.after_step(sched, result, self.scheduler.running, applied)
             else:  # the next step is already launched: only learn

@@ -97,7 +97,7 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
     full = scheduler.kv.build_batch(seq_ids, bases, spans)
     # Each sequence's last K + 1 positions of its span: N+1's rows if all of N's drafts survive.
     q = k + 1
-    take = np.concatenate([np.arange(end - q, end) for end in full.query_start_loc[1:]])
+    take = (full.query_start_loc[1:, None] - q + np.arange(q)).ravel()
     layout = BatchLayout(
         block_tables=full.block_tables,
         slot_mapping=full.slot_mapping[take],
