@@ -128,14 +128,7 @@ def _accept_propose_kernel(
     best = tl.full([BLOCK], -1, tl.int64)
     for start in range(0, last, BLOCK):
         ends = start + lanes
-        run = ends < last
-        match_len = tl.zeros([BLOCK], tl.int32)
-        for t in tl.static_range(NGRAM_MAX):
-            suffix_t = _token_at(hist_row, emit_row, last - t, old_len, new_len, emit_max, last - t >= 0)
-            src = ends - t
-            tok = _token_at(hist_row, emit_row, src, old_len, new_len, emit_max, (ends < last) & (src >= 0))
-            run = run & (src >= 0) & (tok == suffix_t)
-            match_len += run.to(tl.int32)
+        match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
         key = tl.where(match_len >= ngram_min, match_len.to(tl.int64) * hist_cap + ends, -1)
         best = tl.maximum(best, key)
     best_key = tl.max(best, axis=0)
@@ -174,6 +167,22 @@ def _accept_propose_kernel(
 
 
 @triton.jit
+def _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX: tl.constexpr):
+    """[BLOCK] int32: how many of the suffix's last tokens (up to NGRAM_MAX) end at each candidate
+    end j < last. All NGRAM_MAX loads are independent (masked by bounds only), so they issue
+    together; the run of equal tokens is cut afterwards."""
+    run = ends < last
+    match_len = tl.zeros(ends.shape, tl.int32)
+    for t in tl.static_range(NGRAM_MAX):
+        suffix_t = _token_at(hist_row, emit_row, last - t, old_len, new_len, emit_max, last - t >= 0)
+        src = ends - t
+        tok = _token_at(hist_row, emit_row, src, old_len, new_len, emit_max, (ends < last) & (src >= 0))
+        run = run & (src >= 0) & (tok == suffix_t)
+        match_len += run.to(tl.int32)
+    return match_len
+
+
+@triton.jit
 def _rank_ties(
     hist_row,
     emit_row,
@@ -208,14 +217,7 @@ def _rank_ties(
     for i in range(0, num_tiles):
         start = (num_tiles - 1 - i) * BLOCK
         ends = start + lanes
-        run = ends < last
-        match_len = tl.zeros([BLOCK], tl.int32)
-        for t in tl.static_range(NGRAM_MAX):
-            suffix_t = _token_at(hist_row, emit_row, last - t, old_len, new_len, emit_max, last - t >= 0)
-            src = ends - t
-            tok = _token_at(hist_row, emit_row, src, old_len, new_len, emit_max, (ends < last) & (src >= 0))
-            run = run & (src >= 0) & (tok == suffix_t)
-            match_len += run.to(tl.int32)
+        match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
         is_tie = tl.where(best_len >= ngram_min, match_len == best_len, False)
         tie = is_tie.to(tl.int32)
         # ties at this end or later: the later tiles', then this tile's from here to its end
