@@ -115,6 +115,10 @@ step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR" --hf-requests 32
 # message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
 step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads ngram,pair \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
+# the n-gram rows again with every speculative step synchronous (no device chain), for comparison
+probe spec_ngram_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_sync" --workloads ngram \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 \
+  --device-chain off
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,
