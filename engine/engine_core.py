@@ -262,10 +262,11 @@ class EngineCore:
         """Plan step N+1 from the launched step N and enqueue it behind N on the device."""
         # Drafts are proposed after update(): a batch that may draft next step stays synchronous,
         # unless this step decided its acceptance and next drafts on the device (a chain).
-        if self.spec_decoder is not None and self.spec_decoder.may_draft(self.scheduler.running):
-            if pending.chain is None or not self.spec_decoder.may_chain(self.scheduler.running):
-                return
-            nxt = plan_spec_lookahead(self.scheduler, sched, self.spec_decoder.config.num_speculative_tokens)
+        spec, running = self.spec_decoder, self.scheduler.running
+        if spec is not None and pending.chain is not None and spec.may_chain(running):
+            nxt = plan_spec_lookahead(self.scheduler, sched, spec.config.num_speculative_tokens)
+        elif pending.chain is not None or (spec is not None and spec.may_draft(running)):
+            return  # (a step decided on the device has no samples a plain lookahead could take)
         else:
             nxt = plan_lookahead(self.scheduler, sched)
         if nxt is not None:

@@ -22,11 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID, _may_preempt
 from pagedinfer.engine.core.scheduler_output import (
-    BatchLayout,
     ModelRunnerOutput,
     SamplingRow,
     ScheduledSequence,
@@ -49,8 +46,7 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
     max_len = scheduler.max_model_len
     planned: list[ScheduledSequence] = []
     seq_ids: list[int] = []
-    bases: list[int] = []  # computed tokens after N if none of its drafts survive
-    spans: list[int] = []  # positions N+1 may reach past that: N's drafts + K + 1
+    ends: list[int] = []  # N's inputs end here: N+1's first position if all its drafts survive
     seqs = []
     for s in prev.sequences:
         row = s.sample
@@ -64,11 +60,9 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
         end = s.num_computed_tokens + len(s.token_ids)
         if seq.num_kv_tokens != end or seq.num_computed_tokens != s.num_computed_tokens:
             return None  # N's tokens already applied, or KV reserved beyond N's inputs
-        base = end - s.num_spec_tokens
-        span = s.num_spec_tokens + k + 1
         params = row.sampling_params
         max_tokens = params.max_tokens
-        if base + span > max_len or (max_tokens is not None and row.output_position + 1 >= max_tokens):
+        if end + k + 1 > max_len or (max_tokens is not None and row.output_position + 1 >= max_tokens):
             return None  # no room for N+1, or the sequence ends at N for certain
         next_row = SamplingRow(
             seq.seq_id, params, row.seed, row.output_position + 1, row.prompt_token_ids, row.output_token_ids
@@ -77,7 +71,7 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
             ScheduledSequence(
                 seq.seq_id,
                 [PLACEHOLDER_TOKEN_ID] * (k + 1),
-                base + s.num_spec_tokens,
+                end,
                 s.num_prompt_tokens,
                 k,
                 next_row,
@@ -85,8 +79,7 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
         )
         seqs.append(seq)
         seq_ids.append(seq.seq_id)
-        bases.append(base)
-        spans.append(span)
+        ends.append(end)
     copies = scheduler.kv.append_batch(
         seq_ids, [PLACEHOLDER_TOKEN_ID] * (len(seq_ids) * (k + 1)), [k + 1] * len(seq_ids)
     )
@@ -94,17 +87,9 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
         return None  # out of blocks: the synchronous step decides whom to preempt
     for seq in seqs:
         seq.num_kv_tokens += k + 1
-    full = scheduler.kv.build_batch(seq_ids, bases, spans)
-    # Each sequence's last K + 1 positions of its span: N+1's rows if all of N's drafts survive.
-    q = k + 1
-    take = (full.query_start_loc[1:, None] - q + np.arange(q)).ravel()
-    layout = BatchLayout(
-        block_tables=full.block_tables,
-        slot_mapping=full.slot_mapping[take],
-        positions=full.positions[take],
-        context_lens=full.context_lens,
-        query_start_loc=(np.arange(len(seq_ids) + 1, dtype=np.int32) * q),
-    )
+    # N+1's rows if all of N's drafts survive: K + 1 positions right after N's inputs (the block
+    # tables then cover every position N+1 can take).
+    layout = scheduler.kv.build_batch(seq_ids, ends, [k + 1] * len(seq_ids))
     return SchedulerOutput(planned, layout, copies, [], feeds_previous=True, feeds_drafts=True)
 
 
