@@ -1,5 +1,6 @@
 """Runs a module's interpreter cases in a subprocess with TRITON_INTERPRET=1 (which must be set
-before triton is imported) and returns its per-case results keyed by (case name, dtype)."""
+before triton is imported): `run_interpreter_cases` returns its per-case results keyed by (case
+name, dtype); `run_interpreted` runs a test module's `__main__` and returns the JSON it wrote."""
 
 from __future__ import annotations
 
@@ -23,3 +24,15 @@ def run_interpreter_cases(module: str, out_dir: Path) -> dict[tuple[str, str], d
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return {(r["name"], r["dtype"]): r for r in json.loads(out.read_text())}
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(module: str, out: Path) -> object:
+    """`python -m module OUT` from the repository root under TRITON_INTERPRET=1 -> OUT's JSON."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    cmd = [sys.executable, "-m", module, str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())

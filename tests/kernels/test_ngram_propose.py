@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +23,8 @@ import torch
 
 from pagedinfer.engine.spec_decode.ngram import find_ngram_draft
 from pagedinfer.kernels import ngram_ops, ngram_reference
+from tests.kernels.interpreter_run import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 KINDS = ("small_vocab", "period", "distinct", "start_match", "planted", "short")
 
 
@@ -420,11 +418,7 @@ def _run_triton_cases(path: str) -> None:
 def triton_results(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("triton")
     out = tmp_path_factory.mktemp("ngram_interp") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
-    cmd = [sys.executable, "-m", "tests.kernels.test_ngram_propose", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_interpreted("tests.kernels.test_ngram_propose", out)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c.name for c in INTERPRETER_CASES])

@@ -6,9 +6,7 @@ repetitive histories where the ranking changes the draft."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,8 +16,8 @@ import torch
 
 from pagedinfer.engine.spec_decode.ngram import CONTEXT_WINDOW, MAX_RANKED_TIES, find_ngram_draft
 from pagedinfer.kernels import ngram_reference
+from tests.kernels.interpreter_run import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 K = 3
 # The last token 12 follows "1 .. 7" as it did at position 7 (then 10, 9, 9), but its latest
 # occurrence follows eight 9s (then 11, 1, 2): ranked by context the older one wins.
@@ -106,11 +104,7 @@ def main(path: str) -> None:
 def test_triton_ranking_is_the_host_rule(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
-    cmd = [sys.executable, "-m", "tests.kernels.test_ngram_ranking", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = json.loads(out.read_text())
+    got = run_interpreted("tests.kernels.test_ngram_ranking", out)
     assert got[f"tie{MAX_RANKED_TIES}"] == [TIE_RANKED] and got["tie1"] == [TIE_LATEST]
     for trial in range(150):
         hists, extra, lo, hi, _ = case(trial, num_seqs=2, cap=40)

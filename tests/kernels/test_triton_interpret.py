@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,11 +18,10 @@ import pytest
 import torch
 
 from pagedinfer.kernels.testing import INTERPRETER_CASES, INTERPRETER_DTYPES, AttentionCase, run_case
-from tests.kernels.interpreter_run import run_interpreter_cases
+from tests.kernels.interpreter_run import run_interpreted, run_interpreter_cases
 
 pytest.importorskip("triton")
 
-REPO = Path(__file__).resolve().parents[2]
 CASE_IDS = [
     (case.name, str(dtype).removeprefix("torch."))
     for case in INTERPRETER_CASES
@@ -90,11 +87,7 @@ def test_triton_kernel_matches_reference(interpreter_results, name, dtype):
 @pytest.fixture(scope="module")
 def small_grid_results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("interp_small_grid") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
-    cmd = [sys.executable, "-m", "tests.kernels.test_triton_interpret", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return {r["id"]: r for r in json.loads(out.read_text())}
+    return {r["id"]: r for r in run_interpreted("tests.kernels.test_triton_interpret", out)}
 
 
 @pytest.mark.parametrize("case_id", SMALL_GRID_IDS)

@@ -5,16 +5,15 @@ several steps of a simulated chain on the CPU."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.kernels.interpreter_run import run_interpreted
+
 K, BLOCK_SIZE, MAX_LEN, STEPS = 3, 4, 96, 6
 
 
@@ -82,11 +81,7 @@ def main(path: str) -> None:
 def interpreted(tmp_path_factory) -> dict:
     pytest.importorskip("triton")
     out = tmp_path_factory.mktemp("chain_interp") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
-    cmd = [sys.executable, "-m", "tests.engine.spec_decode.test_device_chain_interpret", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_interpreted("tests.engine.spec_decode.test_device_chain_interpret", out)
 
 
 @pytest.mark.parametrize("seed", range(6))
