@@ -286,7 +286,6 @@ class EngineCore:
         return (
             self.async_scheduling
             and spec is not None
-            and spec.device_chain is not None
             and spec.may_chain(self.scheduler.running)
             and len(sched.sequences) == len(self.scheduler.running)
         )

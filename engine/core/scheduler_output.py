@@ -124,10 +124,9 @@ class ModelRunnerOutput:
     num_accepted_tokens: int = 0
     num_verified_seqs: int = 0  # sequences whose drafts were verified this step
     # A step whose acceptance was decided on the device (spec_decode/device_chain.py): per sampled
-    # sequence, the drafts its next (chained) step verifies, and whether they came from a match.
+    # sequence, the drafts its next (chained) step verifies.
     next_drafts: list[list[int]] | None = None
     verified_drafts: list[int] | None = None  # per sampled sequence: drafts verified (filler: 0)
-    next_has_match: list[bool] | None = None
     gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
 
 

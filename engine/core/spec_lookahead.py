@@ -4,7 +4,7 @@ Step N (launched, acceptance decided on the device: spec_decode/device_chain.py)
 drafts per sequence; N+1 verifies K new drafts after N's bonus token. The host does not know
 how many of N's drafts survive, so it plans N+1 for the case that all did (positions, context
 lengths, slots: an upper bound) and reserves KV for it: K + 1 placeholder slots past N's. The
-device moves each sequence's inputs back by its rejected drafts (`feed_inputs`).
+device moves each sequence's inputs back by its rejected drafts (`DeviceNgramChain.feed`).
 
 Once N's tokens are applied (`Scheduler.update` leaves the KV of these sequences alone), the
 placeholders become N+1's real inputs and the KV reservation shrinks to N+1's own extent:

@@ -9,7 +9,7 @@ accepts the drafts against the argmax, appends the emitted tokens to each sequen
 token history and drafts the next K tokens by prompt lookup with the host proposer's rule
 (spec_decode/ngram.py: longest suffix match, equally long ones ranked by context, then latest);
 the next step's inputs (bonus token + drafts, positions, slots, context lengths) are then fixed
-up on the device from the accepted counts (`feed_inputs`, one more kernel). The host learns the
+up on the device from the accepted counts (`DeviceNgramChain.feed`, one more kernel). The host learns the
 tokens one step later, from one pinned copy of the packed result enqueued with the step
 (core/spec_lookahead.py resolves them).
 
@@ -53,7 +53,6 @@ class ChainStep:
         return HostChainStep(
             num_drafts=[r[COL_NUM_DRAFTS] for r in rows],
             emitted=[r[PACKED_FIXED : PACKED_FIXED + r[COL_NUM_EMITTED]] for r in rows],
-            has_match=[bool(r[COL_HAS_MATCH]) for r in rows],
             next_drafts=[r[first_next:] for r in rows],
         )
 
@@ -62,7 +61,6 @@ class ChainStep:
 class HostChainStep:
     num_drafts: list[int]
     emitted: list[list[int]]  # per sequence: accepted drafts + the bonus token
-    has_match: list[bool]
     next_drafts: list[list[int]]  # the next step's drafts (its inputs after the bonus token)
 
 
@@ -161,6 +159,29 @@ class DeviceNgramChain:
             host = packed
         return ChainStep(packed, k, host, ready)
 
+    def feed(
+        self,
+        prev: ChainStep,
+        input_ids: torch.Tensor,  # [>= B * q] the step's device buffers, staged for "all accepted"
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,  # [>= B]
+        block_tables: torch.Tensor,  # [>= B, M]
+        block_size: int,
+    ) -> None:
+        """Inputs of a chained step of B sequences x q = K + 1 tokens from the step before it.
+
+        The host staged each sequence's positions, slots and context length as if every draft of
+        the step before was accepted (an upper bound, so any length the host reads from them
+        bounds the real one); here they move back by that step's rejected drafts, and the token
+        ids become its bonus token followed by its next drafts.
+        """
+        args = (input_ids, positions, slot_mapping, seq_lens, block_tables, block_size)
+        if self.triton:
+            ngram_ops.launch_chain_feed(prev.packed, prev.k_step, *args)
+        else:
+            feed_inputs_torch(prev, *args)
+
 
 def _reference_packed(
     argmax, rows, drafts, num_drafts, num_slots, history, history_len, ngram
@@ -182,33 +203,10 @@ def _reference_packed(
     )
 
 
-def feed_inputs(
-    prev: ChainStep,
-    input_ids: torch.Tensor,  # [>= B * q] the step's device buffers, staged for "all accepted"
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    seq_lens: torch.Tensor,  # [>= B]
-    block_tables: torch.Tensor,  # [>= B, M]
-    block_size: int,
-) -> None:
-    """Inputs of a chained step of B sequences x q = K + 1 tokens from the step before it.
-
-    The host staged each sequence's positions, slots and context length as if every draft of
-    the step before was accepted (an upper bound, so any length the host reads from them bounds
-    the real one); here they move back by that step's rejected drafts, and the token ids become
-    its bonus token followed by its next drafts.
-    """
-    args = (input_ids, positions, slot_mapping, seq_lens, block_tables, block_size)
-    if prev.packed.is_cuda and ngram_ops.triton_available():
-        ngram_ops.launch_chain_feed(prev.packed, prev.k_step, *args)
-    else:
-        feed_inputs_torch(prev, *args)
-
-
 def feed_inputs_torch(
     prev: ChainStep, input_ids, positions, slot_mapping, seq_lens, block_tables, block_size
 ) -> None:
-    """`feed_inputs` in torch ops (the CPU path; the oracle of the Triton kernel)."""
+    """`DeviceNgramChain.feed` in torch ops (the CPU path; the oracle of the Triton kernel)."""
     packed = prev.packed
     num_seqs = packed.shape[0]
     next_col = PACKED_FIXED + prev.k_step + 1

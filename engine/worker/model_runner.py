@@ -28,7 +28,7 @@ from pagedinfer.engine.core.scheduler_output import (
 )
 from pagedinfer.engine.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
 from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput, is_plain_greedy
-from pagedinfer.engine.spec_decode.device_chain import ChainStep, HostChainStep, feed_inputs
+from pagedinfer.engine.spec_decode.device_chain import ChainStep, HostChainStep
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch
 from pagedinfer.kernels import ops
@@ -200,7 +200,9 @@ class ModelRunner:
                 raise ValueError("a chained speculative step needs the launched step it continues")
             fed_chain = feed.chain
             b = self.batch
-            feed_inputs(fed_chain, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
+            self.spec_decoder.device_chain.feed(
+                fed_chain, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size
+            )
         elif sched.feeds_previous:
             self._feed_previous(sched, feed, inputs.input_ids)
         # Idle time is GPU time between one step's last kernel and the next step's forward: the
@@ -280,7 +282,6 @@ class ModelRunner:
             or not is_plain_greedy(meta)
             or meta.max_num_logprobs >= 0
             or len(groups) > chain.max_seqs
-            or len({g.seq_id for g in groups}) != len(groups)  # forks share a sequence's history
         ):
             return None
         hidden = fwd.hidden[fwd.logits_indices]
@@ -513,6 +514,5 @@ def _chain_output(host: HostChainStep, groups: Sequence[VerifyGroup]) -> ModelRu
         num_accepted,
         num_verified_seqs=num_verified,
         next_drafts=host.next_drafts,
-        next_has_match=host.has_match,
         verified_drafts=host.num_drafts,
     )

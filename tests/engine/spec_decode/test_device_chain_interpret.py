@@ -21,11 +21,7 @@ def simulate(backend: str, seed: int) -> list:
     """A chain of STEPS steps over B sequences: step 0 verifies host drafts, later ones the device
     drafts; each step's argmax agrees with a random prefix of its drafts. Records every packed
     result, the histories and the fed inputs."""
-    from pagedinfer.engine.spec_decode.device_chain import (
-        DeviceNgramChain,
-        feed_inputs,
-        feed_inputs_torch,
-    )
+    from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain, feed_inputs_torch
 
     rng = random.Random(seed)
     num_seqs = rng.randint(1, 5)
@@ -52,7 +48,7 @@ def simulate(backend: str, seed: int) -> list:
         gen = torch.Generator().manual_seed(seed * 100 + len(record))
         tables = torch.randint(0, 50, (num_seqs, MAX_LEN // BLOCK_SIZE), dtype=torch.int32, generator=gen)
         fed = []
-        for feed in ((feed_inputs if backend == "triton" else feed_inputs_torch), feed_inputs_torch):
+        for feed in (chain.feed, feed_inputs_torch):  # the chain's own backend, then torch
             q = K + 1
             ids = torch.zeros(num_seqs * q, dtype=torch.int64)
             pos = torch.tensor(
@@ -61,12 +57,7 @@ def simulate(backend: str, seed: int) -> list:
             )
             slots = torch.full((num_seqs * q,), -1, dtype=torch.int64)
             lens = torch.tensor([b + r[0] + q for b, r in zip(bases, packed, strict=True)], dtype=torch.int32)
-            if backend == "triton" and feed is feed_inputs:
-                from pagedinfer.kernels import ngram_ops
-
-                ngram_ops.launch_chain_feed(out.packed, out.k_step, ids, pos, slots, lens, tables, BLOCK_SIZE)
-            else:
-                feed(out, ids, pos, slots, lens, tables, BLOCK_SIZE)
+            feed(out, ids, pos, slots, lens, tables, BLOCK_SIZE)
             fed.append([ids.tolist(), pos.tolist(), slots.tolist(), lens.tolist()])
         record[-1]["fed"] = fed
         prev = out
