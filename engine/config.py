@@ -85,6 +85,10 @@ class SpeculativeConfig:
     # n-gram, all-greedy batches: accept and draft on the device and plan steps ahead (async
     # scheduling), spec_decode/device_chain.py; off: every speculative step is synchronous
     device_chain: bool = True
+    # Chained verification steps launched back to back per host pass (each feeds the next on the
+    # device; the host plans and applies them as one step): the host's per-step work is what
+    # bounds a small model's step. 1: one chained step per host pass.
+    device_chain_steps: int = 4
 
 
 @dataclass(frozen=True)

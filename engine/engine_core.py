@@ -92,7 +92,7 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, object] | None = None  # a lookahead step (None: launching)
         self.num_lookahead_steps = 0
         self.num_lookahead_admissions = 0  # requests admitted by lookahead steps
-        self.num_chained_steps = 0  # lookahead steps that verify drafts made on the device
+        self.num_chained_steps = 0  # device steps verifying drafts made on the device (lookaheads)
         self.runner = runner
         _freeze_startup_objects()
         self.spec_decoder = spec_decoder  # spec_decode.SpeculativeDecoder, or None
@@ -234,9 +234,9 @@ class EngineCore:
                 resolve_lookahead(self.scheduler, ahead)
         if self.spec_decoder is not None:
             applied = None
-            if sched.feeds_drafts:  # rows of sequences that stopped the step before do not count
-                applied = {u.seq_id for u in updates}
-                if len(applied) != len(result.sampled):
+            if sched.feeds_drafts:  # rows of sequences that stopped before do not count
+                applied = {u.seq_id: len(u.new_token_ids) for u in updates}
+                if len(applied) != len(result.sampled) or sched.num_device_steps > 1:
                     _count_applied(result, applied)
             if self._inflight is None:  # learn acceptance, draft the next step's tokens
                 self.spec_decoder.after_step(sched, result, self.scheduler.running, applied)
@@ -264,7 +264,8 @@ class EngineCore:
         # unless this step decided its acceptance and next drafts on the device (a chain).
         spec, running = self.spec_decoder, self.scheduler.running
         if spec is not None and pending.chain is not None and spec.may_chain(running):
-            nxt = plan_spec_lookahead(self.scheduler, sched, spec.config.num_speculative_tokens)
+            k, steps = spec.config.num_speculative_tokens, spec.config.device_chain_steps
+            nxt = plan_spec_lookahead(self.scheduler, sched, k, steps)
         elif pending.chain is not None or (spec is not None and spec.may_draft(running)):
             return  # (a step decided on the device has no samples a plain lookahead could take)
         else:
@@ -276,7 +277,7 @@ class EngineCore:
             forward = self.runner.launch_forward(nxt, feed=pending)
             self._inflight = (nxt, self.runner.launch_sampling(forward))
             self.num_lookahead_steps += 1
-            self.num_chained_steps += nxt.feeds_drafts
+            self.num_chained_steps += nxt.num_device_steps if nxt.feeds_drafts else 0
             self.num_lookahead_admissions += len(nxt.sequences) - nxt.num_fed
 
     def _may_chain(self, sched: SchedulerOutput) -> bool:
@@ -369,13 +370,9 @@ class EngineCore:
         }
 
 
-def _count_applied(result: ModelRunnerOutput, applied: set[int]) -> None:
-    """A chained step's draft totals over the sequences whose tokens it applied."""
-    pairs = [
-        (len(st.token_ids), k)
-        for st, k in zip(result.sampled, result.verified_drafts, strict=True)
-        if st.seq_id in applied
-    ]
-    result.num_draft_tokens = sum(k for _, k in pairs)
-    result.num_accepted_tokens = sum(n - 1 for n, _ in pairs)
-    result.num_verified_seqs = sum(1 for _, k in pairs if k)
+def _count_applied(result: ModelRunnerOutput, applied: dict[int, int]) -> None:
+    """A chained step's draft totals over the tokens it applied (ModelRunnerOutput.verifications)."""
+    checks = result.verifications(applied)
+    result.num_draft_tokens = sum(k for _, k, _ in checks)
+    result.num_accepted_tokens = sum(a for _, k, a in checks if k)
+    result.num_verified_seqs = sum(1 for _, k, _ in checks if k)

@@ -22,6 +22,7 @@ from pagedinfer.engine.core.scheduler_output import (
     SchedulerOutput,
     SequenceUpdate,
 )
+from pagedinfer.engine.core.spec_lookahead import record_device_inputs
 from pagedinfer.engine.outputs import FinishReason
 from pagedinfer.engine.request import Request, RequestStatus
 from pagedinfer.engine.stop_checker import check_token_stop, may_stop
@@ -410,6 +411,8 @@ class Scheduler:
         `kv_ahead`: sequences whose next step is already launched with KV reserved past this
         one's (a chained speculative step): rejected drafts leave their KV to that step's resolve.
         """
+        if sched.num_device_steps > 1:
+            record_device_inputs(self, sched, result)
         by_seq_id = self._by_seq_id
         running = RequestStatus.RUNNING
         live: list[Request] = []  # scheduled and still running (not aborted or stopped meanwhile)

@@ -73,8 +73,12 @@ class SchedulerOutput:
     feeds_previous: bool = False
     feed_rows: list[int] | None = None  # the row of that step's samples each fed sequence takes; None: i
     # A chained speculative step (core/spec_lookahead.py): every sequence's inputs (the bonus token
-    # + K drafts) and positions come from the step before, on the device.
+    # + K drafts) and positions come from the step before, on the device. It runs
+    # `num_device_steps` such verification steps back to back, each fed by the one before, and is
+    # planned and applied as one: each sequence's `token_ids` are placeholders for all of their
+    # inputs (num_device_steps * (K + 1)), its layout covers the first device step's K + 1 rows.
     feeds_drafts: bool = False
+    num_device_steps: int = 1
 
     @property
     def num_fed(self) -> int:
@@ -127,7 +131,31 @@ class ModelRunnerOutput:
     # sequence, the drafts its next (chained) step verifies.
     next_drafts: list[list[int]] | None = None
     verified_drafts: list[int] | None = None  # per sampled sequence: drafts verified (filler: 0)
+    # Several device steps (SchedulerOutput.num_device_steps): per sampled sequence, each step's
+    # (drafts verified, tokens emitted); `verified_drafts` then holds their sums.
+    device_steps: list[list[tuple[int, int]]] | None = None
     gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
+
+    def verifications(self, applied: dict[int, int] | None = None) -> list[tuple[int, int, int]]:
+        """A device-decided step's verifications as (seq_id, drafts, accepted), filler included.
+
+        `applied`: tokens the scheduler applied per sequence; sequences absent from it count no
+        verification, and with several device steps a sequence counts only those that started
+        before its applied tokens ended (it stopped, or it had stopped the step before)."""
+        out = []
+        for b, st in enumerate(self.sampled):
+            limit = len(st.token_ids) if applied is None else applied.get(st.seq_id, 0)
+            if self.device_steps is None:
+                if limit:
+                    out.append((st.seq_id, self.verified_drafts[b], len(st.token_ids) - 1))
+                continue
+            consumed = 0
+            for drafts, emitted in self.device_steps[b]:
+                if consumed >= limit:
+                    break
+                out.append((st.seq_id, drafts, emitted - 1))
+                consumed += emitted
+        return out
 
 
 @dataclass

@@ -35,8 +35,11 @@ if TYPE_CHECKING:
     from pagedinfer.engine.core.scheduler import Scheduler
 
 
-def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> SchedulerOutput | None:
-    """Chained step N+1 (K drafts a sequence) for a launched step N (`prev`), or None."""
+def plan_spec_lookahead(
+    scheduler: Scheduler, prev: SchedulerOutput, k: int, max_device_steps: int = 1
+) -> SchedulerOutput | None:
+    """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
+    steps of K drafts a sequence, each fed by the one before."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
     if len(prev.sequences) != len(scheduler.running) or _may_preempt(scheduler) or _may_admit(scheduler):
@@ -44,10 +47,10 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
     max_len = scheduler.max_model_len
-    planned: list[ScheduledSequence] = []
-    seq_ids: list[int] = []
-    ends: list[int] = []  # N's inputs end here: N+1's first position if all its drafts survive
+    q = k + 1
+    steps = max_device_steps
     seqs = []
+    ends: list[int] = []  # N's inputs end here: N+1's first position if all its drafts survive
     for s in prev.sequences:
         row = s.sample
         if row is None or s.fork_rows:
@@ -60,44 +63,55 @@ def plan_spec_lookahead(scheduler: Scheduler, prev: SchedulerOutput, k: int) -> 
         end = s.num_computed_tokens + len(s.token_ids)
         if seq.num_kv_tokens != end or seq.num_computed_tokens != s.num_computed_tokens:
             return None  # N's tokens already applied, or KV reserved beyond N's inputs
-        params = row.sampling_params
-        max_tokens = params.max_tokens
-        if end + k + 1 > max_len or (max_tokens is not None and row.output_position + 1 >= max_tokens):
-            return None  # no room for N+1, or the sequence ends at N for certain
-        next_row = SamplingRow(
-            seq.seq_id, params, row.seed, row.output_position + 1, row.prompt_token_ids, row.output_token_ids
-        )
-        planned.append(
-            ScheduledSequence(
-                seq.seq_id,
-                [PLACEHOLDER_TOKEN_ID] * (k + 1),
-                end,
-                s.num_prompt_tokens,
-                k,
-                next_row,
-            )
-        )
+        # Room in the context, and no device step that starts past max_tokens for certain (each
+        # emits >= 1 token; N emits its bonus token).
+        steps = min(steps, (max_len - end) // q)
+        max_tokens = row.sampling_params.max_tokens
+        if max_tokens is not None:
+            steps = min(steps, max_tokens - row.output_position - 1)
+        if steps < 1:
+            return None
         seqs.append(seq)
-        seq_ids.append(seq.seq_id)
         ends.append(end)
+    reserve = steps * q  # KV placeholders a sequence: every draft of every device step survives
+    seq_ids = [seq.seq_id for seq in seqs]
     copies = scheduler.kv.append_batch(
-        seq_ids, [PLACEHOLDER_TOKEN_ID] * (len(seq_ids) * (k + 1)), [k + 1] * len(seq_ids)
+        seq_ids, [PLACEHOLDER_TOKEN_ID] * (len(seq_ids) * reserve), [reserve] * len(seq_ids)
     )
     if copies is None:
         return None  # out of blocks: the synchronous step decides whom to preempt
-    for seq in seqs:
-        seq.num_kv_tokens += k + 1
-    # N+1's rows if all of N's drafts survive: K + 1 positions right after N's inputs (the block
-    # tables then cover every position N+1 can take).
-    layout = scheduler.kv.build_batch(seq_ids, ends, [k + 1] * len(seq_ids))
-    return SchedulerOutput(planned, layout, copies, [], feeds_previous=True, feeds_drafts=True)
+    planned: list[ScheduledSequence] = []
+    for seq, s, end in zip(seqs, prev.sequences, ends, strict=True):
+        seq.num_kv_tokens += reserve
+        row = s.sample
+        next_row = SamplingRow(
+            seq.seq_id,
+            row.sampling_params,
+            row.seed,
+            row.output_position + 1,
+            row.prompt_token_ids,
+            row.output_token_ids,
+        )
+        inputs = [PLACEHOLDER_TOKEN_ID] * reserve
+        planned.append(ScheduledSequence(seq.seq_id, inputs, end, s.num_prompt_tokens, reserve - 1, next_row))
+    # The last device step's rows if every draft survives: its block tables cover every position
+    # any device step can take, its context lengths bound theirs. The rows themselves are
+    # computed on the device from the token histories (DeviceNgramChain.feed).
+    layout = scheduler.kv.build_batch(seq_ids, [e + reserve - q for e in ends], [q] * len(seq_ids))
+    return SchedulerOutput(
+        planned, layout, copies, [], feeds_previous=True, feeds_drafts=True, num_device_steps=steps
+    )
 
 
 def resolve_spec_lookahead(
     scheduler: Scheduler, lookahead: SchedulerOutput, result: ModelRunnerOutput
 ) -> None:
     """After step N's update: N+1's sequences get their real inputs and computed counts, their
-    KV records N+1's inputs in place of the placeholders, and the reservation shrinks to them."""
+    KV records N+1's inputs in place of the placeholders, and the reservation shrinks to them.
+
+    With several device steps only the first one's inputs are known now; the rest stay
+    placeholders until N+1's own update records what its device steps consumed
+    (`record_device_inputs`)."""
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
     kv = scheduler.kv
@@ -107,16 +121,31 @@ def resolve_spec_lookahead(
         seq = by_seq_id.get(s.seq_id)
         if seq is None or seq.status is not running:
             continue  # stopped or aborted at N: its N+1 result is dropped by update()
-        inputs = [bonus[s.seq_id], *drafts[s.seq_id]]
+        known = [bonus[s.seq_id], *drafts[s.seq_id]]
         start = seq.num_computed_tokens  # after N's update: what N's inputs left computed
-        s.token_ids = inputs
+        s.token_ids[: len(known)] = known
         s.num_computed_tokens = start
         s.sample.output_position = len(seq.output_token_ids)
-        end = start + len(inputs)
-        kv.set_tokens(s.seq_id, start, inputs)
+        end = start + len(s.token_ids)
+        kv.set_tokens(s.seq_id, start, known)
         if seq.num_kv_tokens > end:
             scheduler._pending_copies += kv.truncate(s.seq_id, end)
         seq.num_kv_tokens = end
+
+
+def record_device_inputs(scheduler: Scheduler, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    """Before a step of several device steps is applied: its KV positions that stay computed get
+    the ids its device steps consumed there (each step's inputs were its predecessor's bonus
+    token and drafts, of which the accepted ones were emitted), so prefix-cache hashes see them."""
+    by_seq_id = scheduler._by_seq_id
+    running = RequestStatus.RUNNING
+    emitted = {st.seq_id: st.token_ids for st in result.sampled}
+    for s in sched.sequences:
+        seq = by_seq_id.get(s.seq_id)
+        tokens = emitted.get(s.seq_id)
+        if seq is None or seq.status is not running or not tokens:
+            continue
+        scheduler.kv.set_tokens(s.seq_id, s.num_computed_tokens, [s.token_ids[0], *tokens[:-1]])
 
 
 def _may_admit(scheduler: Scheduler) -> bool:

@@ -58,6 +58,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         help="ngram: greedy batches accept and draft on the device, so speculative steps are planned "
         "ahead with --async-scheduling (off: every speculative step is synchronous)",
     )
+    eng.add_argument(
+        "--speculative-device-chain-steps",
+        type=int,
+        default=SpeculativeConfig.device_chain_steps,
+        help="chained ngram steps launched back to back per host pass (planned and applied as one)",
+    )
     eng.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     eng.add_argument(
@@ -134,6 +140,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.speculative_model,
         device_chain=args.speculative_device_chain,
+        device_chain_steps=args.speculative_device_chain_steps,
     )
     device = DeviceConfig(device=args.device, dtype=args.dtype, enable_cuda_graphs=not args.enforce_eager)
     config = EngineConfig(

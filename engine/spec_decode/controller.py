@@ -169,39 +169,43 @@ class SpeculativeDecoder:
         sched: SchedulerOutput,
         result: ModelRunnerOutput,
         running: Sequence[Request],
-        applied: set[int] | None = None,
+        applied: dict[int, int] | None = None,
     ) -> None:
         """The engine's one call per step: learn from this step's verifications, draft the next."""
         self.observe(sched, result, applied)
         self.propose(running)
 
     def observe(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput, applied: set[int] | None = None
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, applied: dict[int, int] | None = None
     ) -> None:
-        """Feed acceptance per sequence to the policy and the totals; `applied`: the sequences
-        whose tokens the step applied (a chained step also computes rows of sequences that
-        stopped the step before: not counted)."""
+        """Feed acceptance per sequence to the policy and the totals; `applied`: tokens the step
+        applied per sequence (a chained step also computes rows of sequences that stopped the
+        step before, and device steps past a sequence's stop: not counted)."""
         if result.verified_drafts is not None:  # decided on the device: filler drafts not verified
-            num_spec = {
-                st.seq_id: k
-                for st, k in zip(result.sampled, result.verified_drafts, strict=True)
-                if applied is None or st.seq_id in applied
-            }
-            self._known.update(num_spec)  # forgotten by a later propose() once gone
+            checks = result.verifications(applied)
+            self._known.update(seq_id for seq_id, _, _ in checks)  # forgotten by a later propose()
             if sched.feeds_drafts:  # its drafts came from the device proposer: 0 = no match
-                self.stats.num_unmatched_sequence_steps += sum(1 for k in num_spec.values() if k == 0)
+                self.stats.num_unmatched_sequence_steps += sum(1 for _, k, _ in checks if k == 0)
         else:
-            num_spec = {s.seq_id: s.num_spec_tokens for s in sched.sequences if s.num_spec_tokens > 0}
-        for sampled in result.sampled:
-            k = num_spec.get(sampled.seq_id, 0)
+            checks = [
+                (st.seq_id, s.num_spec_tokens, len(st.token_ids) - 1) for s, st in _with_drafts(sched, result)
+            ]
+        for seq_id, k, accepted in checks:
             if k == 0:
                 continue
-            accepted = len(sampled.token_ids) - 1
-            self.policy.observe(sampled.seq_id, k, accepted)
+            self.policy.observe(seq_id, k, accepted)
             self.stats.num_draft_tokens += k
             self.stats.num_accepted_tokens += accepted
             self.stats.num_verified_sequences += 1
             self.stats.num_emitted_tokens += accepted + 1
+
+
+def _with_drafts(sched: SchedulerOutput, result: ModelRunnerOutput):
+    """(scheduled, sampled) pairs of the sequences that verified host drafts this step."""
+    drafted = {s.seq_id: s for s in sched.sequences if s.num_spec_tokens > 0}
+    if not drafted:
+        return []
+    return [(drafted[st.seq_id], st) for st in result.sampled if st.seq_id in drafted]
 
 
 def _is_decoding(seq: Request) -> bool:

@@ -30,7 +30,6 @@ from pagedinfer.kernels.ngram_layout import (
     COL_HAS_MATCH,
     COL_NUM_DRAFTS,
     COL_NUM_EMITTED,
-    COL_NUM_SLOTS,
     PACKED_FIXED,
 )
 
@@ -162,21 +161,21 @@ class DeviceNgramChain:
     def feed(
         self,
         prev: ChainStep,
-        input_ids: torch.Tensor,  # [>= B * q] the step's device buffers, staged for "all accepted"
+        input_ids: torch.Tensor,  # [>= B * q] the step's device buffers
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         seq_lens: torch.Tensor,  # [>= B]
-        block_tables: torch.Tensor,  # [>= B, M]
+        block_tables: torch.Tensor,  # [>= B, M] covering every position the step can take
         block_size: int,
     ) -> None:
         """Inputs of a chained step of B sequences x q = K + 1 tokens from the step before it.
 
-        The host staged each sequence's positions, slots and context length as if every draft of
-        the step before was accepted (an upper bound, so any length the host reads from them
-        bounds the real one); here they move back by that step's rejected drafts, and the token
-        ids become its bonus token followed by its next drafts.
+        Each sequence's inputs are the step before's bonus token, at the last position of its
+        token history, and that step's next drafts after it; positions, slots and the context
+        length follow from the history's length. Nothing the host staged for them is read, so
+        the step before may itself be chained (several chained steps per launch).
         """
-        args = (input_ids, positions, slot_mapping, seq_lens, block_tables, block_size)
+        args = (self.history_len, input_ids, positions, slot_mapping, seq_lens, block_tables, block_size)
         if self.triton:
             ngram_ops.launch_chain_feed(prev.packed, prev.k_step, *args)
         else:
@@ -204,7 +203,7 @@ def _reference_packed(
 
 
 def feed_inputs_torch(
-    prev: ChainStep, input_ids, positions, slot_mapping, seq_lens, block_tables, block_size
+    prev: ChainStep, history_len, input_ids, positions, slot_mapping, seq_lens, block_tables, block_size
 ) -> None:
     """`DeviceNgramChain.feed` in torch ops (the CPU path; the oracle of the Triton kernel)."""
     packed = prev.packed
@@ -214,11 +213,11 @@ def feed_inputs_torch(
     q = next_drafts.shape[1] + 1
     num_tokens = num_seqs * q
     num_emitted = packed[:, COL_NUM_EMITTED]
-    rejected = packed[:, COL_NUM_SLOTS] - (num_emitted - 1)  # [B] draft rows whose KV is not kept
     bonus = packed[:, PACKED_FIXED:next_col].gather(1, (num_emitted - 1)[:, None])  # [B, 1]
     input_ids[:num_tokens].view(num_seqs, q).copy_(torch.cat([bonus, next_drafts], dim=1))
-    pos = positions[:num_tokens].view(num_seqs, q)
-    pos.sub_(rejected[:, None])
-    seq_lens[:num_seqs].sub_(rejected.to(seq_lens.dtype))
-    blocks = block_tables[:num_seqs].gather(1, (pos // block_size).to(torch.int64))  # [B, q]
+    start = history_len[:num_seqs].to(torch.int64) - 1  # [B] the bonus token's position
+    pos = start[:, None] + torch.arange(q, dtype=torch.int64, device=start.device)  # [B, q]
+    positions[:num_tokens].view(num_seqs, q).copy_(pos)
+    seq_lens[:num_seqs].copy_(start + q)
+    blocks = block_tables[:num_seqs].gather(1, pos // block_size)  # [B, q]
     slot_mapping[:num_tokens].view(num_seqs, q).copy_(blocks.to(torch.int64) * block_size + pos % block_size)

@@ -105,9 +105,12 @@ class InputBatch:
         layout = sched.layout
         assert layout is not None
         num_tokens = int(layout.slot_mapping.shape[0])
-        ids = np.fromiter(
-            itertools.chain.from_iterable(s.token_ids for s in sched.sequences), np.int64, num_tokens
-        )
+        if sched.feeds_drafts:  # a chained step's ids are written on the device (device_chain.py)
+            ids = np.zeros(num_tokens, np.int64)
+        else:
+            ids = np.fromiter(
+                itertools.chain.from_iterable(s.token_ids for s in sched.sequences), np.int64, num_tokens
+            )
         return self.stage(ids, layout, logits_rows, graph)
 
     def stage(self, ids: np.ndarray, layout: BatchLayout, logits_rows: np.ndarray, graph=None) -> StepInputs:

@@ -30,7 +30,7 @@ from pagedinfer.engine.sample.metadata import SamplingMetadata, SamplingMetadata
 from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput, is_plain_greedy
 from pagedinfer.engine.spec_decode.device_chain import ChainStep, HostChainStep
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
-from pagedinfer.engine.worker.input_batch import InputBatch
+from pagedinfer.engine.worker.input_batch import InputBatch, StepInputs
 from pagedinfer.kernels import ops
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,11 @@ class LaunchedForward:
     hidden: torch.Tensor  # [num_tokens (or the graph's rows), H]
     logits_indices: torch.Tensor  # [N] rows of `hidden` that are sampled
     fed_chain: ChainStep | None = None  # a chained speculative step: the step its inputs came from
+    # A chained step's device steps (SchedulerOutput.num_device_steps); the later ones rerun the
+    # forward on the same input buffers (`inputs`, `graph`), fed by the one before.
+    num_device_steps: int = 1
+    inputs: StepInputs | None = None
+    graph: GraphKey | None = None
 
 
 @dataclass
@@ -106,6 +111,7 @@ class PendingStep:
     host_token_ids: torch.Tensor | None = None
     greedy_argmax: torch.Tensor | None = None  # [N] an all-greedy verification's argmax per row
     chain: ChainStep | None = None  # acceptance + next drafts decided on the device (device_chain.py)
+    chain_steps: list[ChainStep] | None = None  # several device steps: each one's (`chain`: the last)
 
 
 @dataclass(slots=True)
@@ -208,11 +214,19 @@ class ModelRunner:
         # Idle time is GPU time between one step's last kernel and the next step's forward: the
         # host work in between (update, schedule, prepare) is what the GPU waits for.
         start = self._gpu_event()
+        hidden = self._run_model(inputs, key)
+        logits_indices = inputs.attn_metadata.logits_indices
+        if fed_chain is None:
+            return LaunchedForward(start, rows, groups, hidden, logits_indices)
+        return LaunchedForward(
+            start, rows, groups, hidden, logits_indices, fed_chain, sched.num_device_steps, inputs, key
+        )
+
+    def _run_model(self, inputs: StepInputs, key: GraphKey | None) -> torch.Tensor:
+        """The forward over the staged input buffers: a graph replay, or eager."""
         if key is not None:
-            hidden = self.graphs.replay(key)  # [B * q, H]
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        return LaunchedForward(start, rows, groups, hidden, inputs.attn_metadata.logits_indices, fed_chain)
+            return self.graphs.replay(key)  # [B * q, H]
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
 
     def _feed_previous(
         self, sched: SchedulerOutput, feed: PendingStep | None, input_ids: torch.Tensor
@@ -284,9 +298,7 @@ class ModelRunner:
             or len(groups) > chain.max_seqs
         ):
             return None
-        hidden = fwd.hidden[fwd.logits_indices]
-        logits = self.model.compute_logits(hidden, upcast=False, backend=self.config.attention_backend)
-        argmax = logits.argmax(dim=-1)  # [N]
+        logits, argmax = self._greedy(fwd.hidden, fwd.logits_indices)
         first_rows = [g.first_row for g in groups]
         if fwd.fed_chain is None:  # a chain's first step: the histories are the host's tokens
             chain.start(
@@ -298,7 +310,26 @@ class ModelRunner:
             step = chain.accept(argmax, first_rows, [g.draft_token_ids for g in groups], None)
         else:
             step = chain.accept(argmax, first_rows, None, fwd.fed_chain)
-        return PendingStep(fwd.start, rows, groups, meta, logits, None, self._gpu_event(), chain=step)
+        steps = [step]
+        for _ in range(1, fwd.num_device_steps):  # each fed by the one before, on the device
+            b = self.batch
+            chain.feed(step, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
+            _, argmax = self._greedy(self._run_model(fwd.inputs, fwd.graph), fwd.logits_indices)
+            step = chain.accept(argmax, first_rows, None, step)
+            steps.append(step)
+        pending = PendingStep(fwd.start, rows, groups, meta, logits, None, self._gpu_event(), chain=step)
+        if len(steps) > 1:
+            pending.chain_steps = steps
+        return pending
+
+    def _greedy(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [N, V] (the GEMM's dtype) and their argmax [N] at the sampled rows."""
+        logits = self.model.compute_logits(
+            hidden[logits_indices], upcast=False, backend=self.config.attention_backend
+        )
+        return logits, logits.argmax(dim=-1)
 
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """On CUDA a non-blocking copy into pinned memory, ordered before the step's end event:
@@ -314,7 +345,8 @@ class ModelRunner:
         if pending is None:
             return ModelRunnerOutput([])
         if pending.chain is not None:
-            result = _chain_output(pending.chain.to_host(), pending.groups)
+            steps = pending.chain_steps or [pending.chain]
+            result = _chain_output([step.to_host() for step in steps], pending.groups)
         elif pending.meta is None:
             result = ModelRunnerOutput([])
         elif pending.sampled is None:
@@ -388,7 +420,7 @@ class ModelRunner:
     ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
         """A chained step's plan: every sequence's K + 1 rows, decided on the device (the drafts
         are not on the host yet, and no per-row sampling parameters are needed)."""
-        q = sched.sequences[0].num_new_tokens
+        q = int(sched.layout.query_start_loc[1])  # K + 1 (token_ids: every device step's)
         rows = [s.sample for s in sched.sequences]
         groups = [VerifyGroup(s.seq_id, b * q, []) for b, s in enumerate(sched.sequences)]
         return np.arange(len(rows) * q, dtype=np.int64), rows, groups
@@ -502,17 +534,25 @@ class ModelRunner:
         self._prev_end = end
 
 
-def _chain_output(host: HostChainStep, groups: Sequence[VerifyGroup]) -> ModelRunnerOutput:
-    """A device-decided step's tokens per group, and the drafts its chained successor verifies."""
-    sampled = [SampledTokens(g.seq_id, tokens) for g, tokens in zip(groups, host.emitted, strict=True)]
-    num_drafts = sum(host.num_drafts)
-    num_accepted = sum(len(t) for t in host.emitted) - len(host.emitted)
-    num_verified = sum(1 for n in host.num_drafts if n)
+def _chain_output(hosts: Sequence[HostChainStep], groups: Sequence[VerifyGroup]) -> ModelRunnerOutput:
+    """A device-decided step's tokens per group (over its device steps, in order), and the drafts
+    its chained successor verifies."""
+    last = hosts[-1]
+    if len(hosts) == 1:
+        emitted, verified, device_steps = last.emitted, last.num_drafts, None
+    else:
+        emitted = [[t for h in hosts for t in h.emitted[b]] for b in range(len(groups))]
+        verified = [sum(h.num_drafts[b] for h in hosts) for b in range(len(groups))]
+        device_steps = [[(h.num_drafts[b], len(h.emitted[b])) for h in hosts] for b in range(len(groups))]
+    sampled = [SampledTokens(g.seq_id, tokens) for g, tokens in zip(groups, emitted, strict=True)]
+    num_accepted = sum(len(h.emitted[b]) - 1 for h in hosts for b in range(len(groups)))
+    num_verified = sum(1 for h in hosts for n in h.num_drafts if n)
     return ModelRunnerOutput(
         sampled,
-        num_drafts,
+        sum(verified),
         num_accepted,
         num_verified_seqs=num_verified,
-        next_drafts=host.next_drafts,
-        verified_drafts=host.num_drafts,
+        next_drafts=last.next_drafts,
+        verified_drafts=verified,
+        device_steps=device_steps,
     )

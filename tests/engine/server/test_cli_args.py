@@ -114,3 +114,11 @@ def test_speculative_device_chain_flag(flag, expected):
     args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
     spec = engine_config_from_args(args).speculative
     assert spec.method == "ngram" and spec.device_chain is expected
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], 4), (["--speculative-device-chain-steps", "2"], 2)])
+def test_speculative_device_chain_steps_flag(flag, expected):
+    from pagedinfer.engine.server.cli_args import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
+    assert engine_config_from_args(args).speculative.device_chain_steps == expected

@@ -42,10 +42,11 @@ def test_chain_off_gives_the_same_output(tiny_llama_dir, plain):
     assert off.core.num_lookahead_steps == 0
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_mixed_lengths_stops_and_a_queue(tiny_llama_dir, plain, seed):
-    """Sequences finish at different steps (max_tokens, stop ids), requests wait for seats:
-    chains end and start again; outputs equal, nothing leaks."""
+@pytest.mark.parametrize(("seed", "device_steps"), [(1, 1), (2, 1), (1, 4), (2, 3)])
+def test_mixed_lengths_stops_and_a_queue(tiny_llama_dir, plain, seed, device_steps):
+    """Sequences finish at different steps (max_tokens, stop ids; with several device steps a
+    launch, also inside one), requests wait for seats: chains end and start again; outputs equal,
+    nothing leaks."""
     rng = random.Random(seed)
     ps = prompts(9, seed)
     params = [
@@ -58,18 +59,23 @@ def test_mixed_lengths_stops_and_a_queue(tiny_llama_dir, plain, seed):
         for i in range(len(ps))
     ]
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
-    llm = chained(tiny_llama_dir, max_num_seqs=4)
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3, device_chain_steps=device_steps
+    )
+    llm = chained(tiny_llama_dir, spec, max_num_seqs=4)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
     assert got == want
     assert llm.core.num_lookahead_steps > 0
     assert_no_leak(llm)
 
 
-def test_prefix_cache_sees_the_real_tokens(tiny_llama_dir, plain):
+@pytest.mark.parametrize("device_steps", [1, 4])
+def test_prefix_cache_sees_the_real_tokens(tiny_llama_dir, plain, device_steps):
     """Blocks computed by chained steps are hashed with the real ids, not the placeholders: a
     request whose prompt is the first one's prompt + output reuses them (cached tokens reach into
     the output), one with placeholder ids there reuses none of them; both decode like plain."""
-    llm = chained(tiny_llama_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, device_chain_steps=device_steps)
+    llm = chained(tiny_llama_dir, spec)
     prompt = [5, 6, 7, 8, 9] * 4
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
@@ -88,7 +94,9 @@ def test_a_chain_runs_until_its_batch_changes(tiny_llama_dir, plain):
     """Without pauses (min_acceptance_rate 0) one long sequence chains every step after its first
     two (the prompt's, then the first with host drafts); two sequences until the shorter stops,
     then again."""
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0)
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=1
+    )
     llm = chained(tiny_llama_dir, spec)
     prompt = [[5, 6, 7, 8, 9] * 4]
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -105,3 +113,32 @@ def test_a_chain_runs_until_its_batch_changes(tiny_llama_dir, plain):
     steps, chained_steps = llm.core._step - steps, llm.core.num_chained_steps - chained_steps
     assert chained_steps >= steps - 6, (steps, chained_steps)
     assert_no_leak(llm)
+
+
+def test_several_device_steps_per_launch_verify_as_one_step_each(tiny_llama_dir, plain):
+    """With 4 device steps a launch the engine takes far fewer steps for the same output, and the
+    speculation totals (drafts, accepted, verifications) are those of one device step per launch:
+    the same verifications happen, only grouped."""
+    prompt = [[5, 6, 7, 8, 9] * 4]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompt, sampling_params=params)]
+    runs = {}
+    for device_steps in (1, 4):
+        spec = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=3,
+            ngram_max=3,
+            min_acceptance_rate=0.0,
+            device_chain_steps=device_steps,
+        )
+        llm = chained(tiny_llama_dir, spec)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompt, sampling_params=params)]
+        assert got == want
+        stats = llm.core.spec_decoder.stats
+        totals = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verified_sequences)
+        runs[device_steps] = (llm.core._step, llm.core.num_chained_steps, totals)
+        assert_no_leak(llm)
+    (steps_1, chained_1, totals_1), (steps_4, chained_4, totals_4) = runs[1], runs[4]
+    assert totals_4 == totals_1 and totals_1[1] > 0
+    assert chained_4 >= chained_1 - 3  # the same device steps (a launch may run a few past the end)
+    assert steps_4 * 2 < steps_1, runs

@@ -43,22 +43,22 @@ def simulate(backend: str, seed: int) -> list:
         packed = out.packed.tolist()
         prev_next = [r[-K:] for r in packed]
         record.append({"packed": packed, "history": chain.history[:num_seqs].tolist()})
-        # The next step's staged inputs ("all accepted") and their device feed, both paths.
-        bases = [rng.randint(0, 40) for _ in range(num_seqs)]
+        # The next step's inputs, fed on the device over buffers holding anything (both paths).
         gen = torch.Generator().manual_seed(seed * 100 + len(record))
         tables = torch.randint(0, 50, (num_seqs, MAX_LEN // BLOCK_SIZE), dtype=torch.int32, generator=gen)
         fed = []
-        for feed in (chain.feed, feed_inputs_torch):  # the chain's own backend, then torch
+        for own in (True, False):  # the chain's own backend, then torch
             q = K + 1
             ids = torch.zeros(num_seqs * q, dtype=torch.int64)
-            pos = torch.tensor(
-                [b + r[0] + j for b, r in zip(bases, packed, strict=True) for j in range(q)],
-                dtype=torch.int64,
-            )
+            pos = torch.randint(-5, 90, (num_seqs * q,), dtype=torch.int64, generator=gen)
             slots = torch.full((num_seqs * q,), -1, dtype=torch.int64)
-            lens = torch.tensor([b + r[0] + q for b, r in zip(bases, packed, strict=True)], dtype=torch.int32)
-            feed(out, ids, pos, slots, lens, tables, BLOCK_SIZE)
+            lens = torch.randint(-5, 90, (num_seqs,), dtype=torch.int32, generator=gen)
+            if own:
+                chain.feed(out, ids, pos, slots, lens, tables, BLOCK_SIZE)
+            else:
+                feed_inputs_torch(out, chain.history_len, ids, pos, slots, lens, tables, BLOCK_SIZE)
             fed.append([ids.tolist(), pos.tolist(), slots.tolist(), lens.tolist()])
+        record[-1]["history_len"] = chain.history_len[:num_seqs].tolist()
         record[-1]["fed"] = fed
         prev = out
     return record
@@ -83,7 +83,16 @@ def test_triton_chain_matches_the_torch_chain(interpreted, seed):
     for step in want:
         triton_fed, torch_fed = step["fed"]
         assert triton_fed == torch_fed
-    # the chain really accepted drafts and moved inputs back somewhere
+    # each sequence's inputs start at its bonus token, the last of its history
+    for step in want:
+        ids, pos, slots, lens = step["fed"][1]
+        q = K + 1
+        for b, (n, r) in enumerate(zip(step["history_len"], step["packed"], strict=True)):
+            assert pos[b * q : (b + 1) * q] == list(range(n - 1, n - 1 + q))
+            assert lens[b] == n - 1 + q
+            assert ids[b * q] == step["history"][b][n - 1] == r[4 + r[2] - 1]
+            assert ids[b * q + 1 : (b + 1) * q] == r[-K:]
+    # the chain really accepted drafts and rejected some
     assert any(r[2] > 1 for step in want for r in step["packed"])
     assert any(r[0] > r[2] - 1 for step in want for r in step["packed"])
 
