@@ -72,12 +72,14 @@ class PeriodicStub(torch.nn.Module):
         return logits
 
 
-# mode -> (drafts per step, async scheduling, drafts and acceptance on the device)
+# mode -> (drafts per step, async scheduling, drafts and acceptance on the device, device steps
+# per chained launch)
 MODES = {
-    "plain": (0, False, False),
-    "spec": (None, False, False),  # None: --k
-    "plain_async": (0, True, False),
-    "chained": (None, True, True),
+    "plain": (0, False, False, 1),
+    "spec": (None, False, False, 1),  # None: --k
+    "plain_async": (0, True, False, 1),
+    "chained": (None, True, True, 1),
+    "chained_multi": (None, True, True, None),  # None: --device-steps
 }
 
 
@@ -112,7 +114,9 @@ class _DeviceStandIns:
             setattr(module, name, fn)
 
 
-def build(batch: int, k: int, clock, async_scheduling: bool = False, device_chain: bool = False):
+def build(
+    batch: int, k: int, clock, async_scheduling: bool = False, device_chain: bool = False, device_steps: int = 1
+):
     mc = ModelConfig(
         architecture="llama",
         vocab_size=VOCAB,
@@ -131,10 +135,11 @@ def build(batch: int, k: int, clock, async_scheduling: bool = False, device_chai
         num_speculative_tokens=max(k, 1),
         max_batch_size=max(batch, 1),
         device_chain=device_chain,
+        device_chain_steps=device_steps,
         min_acceptance_rate=0.0,  # no pauses: a paused sequence would end chains
     )
     cfg = EngineConfig(
-        cache=CacheConfig(block_size=16, num_blocks=batch * 60 + 64),
+        cache=CacheConfig(block_size=16, num_blocks=batch * 200 + 64),  # room for 60 launches of 4 steps
         scheduler=SchedulerConfig(
             max_num_seqs=batch,
             max_num_batched_tokens=8192,
@@ -178,9 +183,10 @@ def measure(
     seed: int = 0,
     async_scheduling: bool = False,
     device_chain: bool = False,
+    device_steps: int = 1,
 ) -> dict:
     clock = time.thread_time
-    core, model = build(batch, k, clock, async_scheduling, device_chain)
+    core, model = build(batch, k, clock, async_scheduling, device_chain, device_steps)
     stand_ins = _DeviceStandIns(clock)
     try:
         return _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed)
@@ -205,7 +211,7 @@ def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed) -> dict
     if core.spec_decoder is not None:
         timer.wrap(core.spec_decoder, "after_step")
     rows = []
-    num_emitted = num_chained = 0
+    num_emitted = num_chained = num_launches = 0
     for _ in range(num_steps):
         before = sum(r.num_output_tokens for r in core.scheduler.running)
         model.seconds = stand_ins.seconds = 0.0
@@ -215,6 +221,7 @@ def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed) -> dict
         core.step()
         total = clock() - t0 - stand_ins.seconds
         num_chained += core.num_chained_steps - chained
+        num_launches += core.num_chained_steps > chained  # (one chained launch a step at most)
         num_emitted += sum(r.num_output_tokens for r in core.scheduler.running) - before
         launch = (
             timer.span("launch_forward") + timer.span("launch_sampling") - model.seconds - stand_ins.seconds
@@ -236,6 +243,10 @@ def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed) -> dict
     if core.spec_decoder is not None:
         out["acceptance_rate"] = core.spec_decoder.stats.acceptance_rate
     out["chained_steps_fraction"] = num_chained / num_steps
+    # Forward passes per engine step: a chained launch runs several, any other step one.
+    device_steps_per_step = (num_steps - num_launches + num_chained) / num_steps
+    out["device_steps_per_step"] = device_steps_per_step
+    out["ms_per_device_step"] = out["step"] / device_steps_per_step
     out["steps_planned_ahead"] = core.num_lookahead_steps
     return out
 
@@ -247,6 +258,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--k", type=int, default=4, help="drafts per step (n-gram)")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--device-steps", type=int, default=4, help="device steps a chained_multi launch")
     parser.add_argument("--repeats", type=int, default=3, help="best median of this many runs")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default="spec_host_overhead_cpu")
@@ -264,20 +276,29 @@ def main() -> None:
     for batch in args.batches:
         entry = {}
         for mode in args.modes.split(","):
-            k, async_scheduling, device_chain = MODES[mode]
+            k, async_scheduling, device_chain, device_steps = MODES[mode]
             k = args.k if k is None else k
+            device_steps = args.device_steps if device_steps is None else device_steps
             runs = [
-                measure(batch, k, args.steps, async_scheduling=async_scheduling, device_chain=device_chain)
+                measure(
+                    batch,
+                    k,
+                    args.steps,
+                    async_scheduling=async_scheduling,
+                    device_chain=device_chain,
+                    device_steps=device_steps,
+                )
                 for _ in range(args.repeats)
             ]
             entry[mode] = min(runs, key=lambda r: r["step"])
             line = ", ".join(f"{key} {v:.3f}" for key, v in entry[mode].items())
             print(f"batch {batch:3d} {mode:5s}: {line}")
-        for spec_mode, plain_mode in (("spec", "plain"), ("chained", "plain_async")):
+        pairs = (("spec", "plain"), ("chained", "plain_async"), ("chained_multi", "plain_async"))
+        for spec_mode, plain_mode in pairs:
             if spec_mode in entry and plain_mode in entry:
-                ratio = entry[spec_mode]["step"] / entry[plain_mode]["step"]
+                ratio = entry[spec_mode]["ms_per_device_step"] / entry[plain_mode]["ms_per_device_step"]
                 entry[f"{spec_mode}_over_{plain_mode}_step"] = ratio
-                print(f"batch {batch:3d}: {spec_mode} step / {plain_mode} step host time {ratio:.2f}x")
+                print(f"batch {batch:3d}: {spec_mode} / {plain_mode} host time per forward {ratio:.2f}x")
         results[str(batch)] = entry
     baseline = json.loads(args.baseline.read_text())["results"] if args.baseline else None
     if baseline:
