@@ -119,6 +119,10 @@ step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDI
 probe spec_ngram_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_sync" --workloads ngram \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 \
   --device-chain off
+# and with one chained verification step per host pass (the default launches 4 back to back)
+probe spec_ngram_chain1 "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_chain1" --workloads ngram \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 \
+  --device-chain-steps 1
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,

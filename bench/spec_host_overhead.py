@@ -115,7 +115,12 @@ class _DeviceStandIns:
 
 
 def build(
-    batch: int, k: int, clock, async_scheduling: bool = False, device_chain: bool = False, device_steps: int = 1
+    batch: int,
+    k: int,
+    clock,
+    async_scheduling: bool = False,
+    device_chain: bool = False,
+    device_steps: int = 1,
 ):
     mc = ModelConfig(
         architecture="llama",

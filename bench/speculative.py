@@ -150,7 +150,7 @@ def measure(
         "spec_ms_per_token": round(fast_ms, 3),
         "base_decode_step_ms": round(base_step_ms, 3),
         "base_steps_planned_ahead": base_ahead,  # async scheduling in the plain run
-        "chained_steps": chained,  # speculative steps planned ahead, drafts made on the device
+        "chained_steps": chained,  # device steps planned ahead that verified drafts made on the device
         # Where a speculative step's time goes (host phases of EngineCore.step; the draft model
         # and the n-gram proposer run in `update`, the target's verification in `collect`).
         "spec_step_ms": step_median(fast, len(prompts)),
@@ -304,6 +304,12 @@ def _parse_args() -> argparse.Namespace:
         default="on",
         help="n-gram: accept and draft on the device, steps planned ahead (off: synchronous steps)",
     )
+    parser.add_argument(
+        "--device-chain-steps",
+        type=int,
+        default=SpeculativeConfig.device_chain_steps,
+        help="n-gram, device chain: verification steps launched back to back per host pass",
+    )
     args = parser.parse_args()
     if args.refill == 1:
         parser.error("--refill must be 0 (off) or >= 2: with B prompts the batch is never refilled")
@@ -351,6 +357,7 @@ def _machine(args) -> dict:
         "max_tokens": args.max_tokens,
         "greedy": True,
         "device_chain": args.device_chain,
+        "device_chain_steps": args.device_chain_steps,
     }
 
 

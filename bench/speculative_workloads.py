@@ -127,6 +127,7 @@ def smollm2_workload(args, ks: list[int], method: str) -> Workload:
                 ngram_min=1,
                 ngram_max=3,
                 device_chain=args.device_chain == "on",
+                device_chain_steps=args.device_chain_steps,
                 **_policy(args),
             )
         return SpeculativeConfig(

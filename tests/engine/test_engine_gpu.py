@@ -127,12 +127,15 @@ def test_async_scheduling_matches_synchronous_steps(tiny_llama_dir, graphs):
     assert kv.num_free_blocks == kv.num_blocks
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_chained_ngram_speculation_matches_plain_greedy(tiny_llama_dir, graphs):
+@pytest.mark.parametrize(("graphs", "device_steps"), [(True, 1), (False, 1), (True, 4), (False, 3)])
+def test_chained_ngram_speculation_matches_plain_greedy(tiny_llama_dir, graphs, device_steps):
     """N-gram steps chained on the device (acceptance and drafts in the Triton kernel, inputs
-    fixed up in the graphs' buffers, placeholders resolved later) give the plain greedy tokens."""
+    fed in the graphs' buffers, several device steps a launch, placeholders resolved later) give
+    the plain greedy tokens."""
     plain = make_llm(tiny_llama_dir, graphs=graphs)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_max=3)
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, ngram_max=3, device_chain_steps=device_steps
+    )
     chained = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True)
     ps = prompts() + [[5, 6, 7, 8, 9] * 6, [11, 12] * 12]  # repetitive: drafts get accepted
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(ps))]
