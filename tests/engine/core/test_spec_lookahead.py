@@ -122,3 +122,82 @@ def test_a_dropped_chained_step_gives_back_its_reservation_before_or_after_the_u
         for x in nxt.sequences:
             seq = s.get_sequence(x.seq_id)
             assert seq.num_kv_tokens == seq.num_computed_tokens == s.kv.num_tokens(x.seq_id)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_several_device_steps_reserve_resolve_and_record_what_ran(seed):
+    """A launch of M device steps: KV for M x (K + 1) tokens, the layout of the last device step if
+    every draft survives; resolved, its first inputs known; applied, the KV record holds the real
+    tokens the device steps consumed and each sequence computed all but its last token."""
+    rng = random.Random(seed)
+    steps = rng.randint(2, 4)
+    s = _scheduler(num_blocks=128)
+    drafts = [[rng.randrange(3, 30) for _ in range(rng.randint(0, K))] for _ in range(rng.randint(1, 4))]
+    step_n = _verifying(s, drafts)
+    nxt = plan_spec_lookahead(s, step_n, K, steps)
+    assert nxt is not None and nxt.num_device_steps == steps
+    q, reserve = K + 1, steps * (K + 1)
+    for b, (x, n) in enumerate(zip(nxt.sequences, step_n.sequences, strict=True)):
+        end = n.num_computed_tokens + len(n.token_ids)
+        last = end + reserve - q
+        assert nxt.layout.positions[b * q : (b + 1) * q].tolist() == [last + j for j in range(q)]
+        assert nxt.layout.context_lens[b] == end + reserve
+        assert s.get_sequence(x.seq_id).num_kv_tokens == end + reserve
+        assert x.token_ids == [PLACEHOLDER_TOKEN_ID] * reserve and x.num_spec_tokens == reserve - 1
+    sampled, next_drafts = [], []
+    for n, d in zip(step_n.sequences, drafts, strict=True):
+        a = rng.randint(0, len(d))
+        sampled.append(SampledTokens(n.seq_id, [*d[:a], 40 + n.seq_id]))
+        next_drafts.append([rng.randrange(3, 30) for _ in range(K)])
+    result = ModelRunnerOutput(sampled, next_drafts=next_drafts)
+    s.update(step_n, result, frozenset(x.seq_id for x in nxt.sequences))
+    resolve_spec_lookahead(s, nxt, result)
+    for x, st, nd in zip(nxt.sequences, sampled, next_drafts, strict=True):
+        seq = s.get_sequence(x.seq_id)
+        assert x.token_ids == [st.token_ids[-1], *nd, *[PLACEHOLDER_TOKEN_ID] * (reserve - q)]
+        assert seq.num_kv_tokens == seq.num_computed_tokens + reserve == s.kv.num_tokens(x.seq_id)
+    # The launch's outcome: per device step an accepted prefix of its K drafts + a bonus token (the
+    # first step's drafts are the resolved ones; later ones are whatever the device drafted).
+    emitted, device_steps = [], []
+    for nd in next_drafts:
+        tokens, per_step, step_drafts = [], [], nd
+        for _ in range(steps):
+            a = rng.randint(0, K)
+            tokens += [*step_drafts[:a], rng.randrange(3, 30)]
+            per_step.append((K, a + 1))
+            step_drafts = [rng.randrange(3, 30) for _ in range(K)]
+        emitted.append(tokens)
+        device_steps.append(per_step)
+    sampled = [SampledTokens(x.seq_id, t) for x, t in zip(nxt.sequences, emitted, strict=True)]
+    verified = [sum(k for k, _ in p) for p in device_steps]
+    result = ModelRunnerOutput(sampled, verified_drafts=verified, device_steps=device_steps)
+    known = {
+        x.seq_id: [*s.get_sequence(x.seq_id).prompt_token_ids, *s.get_sequence(x.seq_id).output_token_ids]
+        for x in nxt.sequences
+    }
+    s.update(nxt, result)
+    for x, tokens in zip(nxt.sequences, emitted, strict=True):
+        seq = s.get_sequence(x.seq_id)
+        assert seq.output_token_ids[-len(tokens) :] == tokens
+        assert seq.num_computed_tokens == seq.num_tokens - 1 == len(known[x.seq_id]) + len(tokens) - 1
+        assert seq.num_kv_tokens == seq.num_computed_tokens == s.kv.num_tokens(x.seq_id)
+        assert _record(s, x.seq_id) == [*known[x.seq_id], *tokens][: seq.num_computed_tokens]
+
+
+def test_device_steps_stop_short_of_max_tokens_and_the_context():
+    """No device step starts where max_tokens has certainly been reached (each emits >= 1 token),
+    and the reservation stays inside max_model_len."""
+    s = _scheduler()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    s.add_request(Request(0, "r", 0, [5, 6, 7], params, 0.0, eos_token_ids=(2,)))
+    first = s.schedule()
+    s.update(first, ModelRunnerOutput([SampledTokens(0, [7])]))
+    step_n = s.schedule()  # output position 1: N emits the 2nd token, room for 2 more device steps
+    assert plan_spec_lookahead(s, step_n, K, 8).num_device_steps == 2
+    s2 = _scheduler()
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    s2.add_request(Request(0, "r", 0, [5] * 45, params, 0.0, eos_token_ids=(2,)))
+    first = s2.schedule()
+    s2.update(first, ModelRunnerOutput([SampledTokens(0, [7])]))
+    step_n = s2.schedule()  # its input ends at 46 of max_model_len 64: 18 // (K + 1) = 4 steps
+    assert plan_spec_lookahead(s2, step_n, K, 8).num_device_steps == 4
