@@ -142,3 +142,58 @@ def test_several_device_steps_per_launch_verify_as_one_step_each(tiny_llama_dir,
     assert totals_4 == totals_1 and totals_1[1] > 0
     assert chained_4 >= chained_1 - 3  # the same device steps (a launch may run a few past the end)
     assert steps_4 * 2 < steps_1, runs
+
+
+def _run_with_aborts(llm, ps, params, abort_at: dict[int, int]) -> dict[str, list[int]]:
+    """Step the engine core by hand, aborting request i at step abort_at[i]; token ids streamed
+    per request."""
+    core = llm.core
+    streamed: dict[str, list[int]] = {}
+    for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
+        core.add_request(f"r{i}", p, sp)
+        streamed[f"r{i}"] = []
+    step = 0
+    while core.has_unfinished():
+        outs = core.step()
+        for i, at in abort_at.items():
+            if at == step:
+                outs += core.abort(f"r{i}")
+        for out in outs:
+            for delta in out.deltas:
+                streamed[out.request_id] += delta.token_ids
+        step += 1
+        assert step < 2000
+    return streamed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_aborts_and_a_tight_pool_with_several_device_steps(tiny_llama_dir, plain, seed):
+    """Random lengths, stop ids, aborts at random steps (inside launches of 4 device steps) and a
+    KV pool small enough that launches cannot always reserve their tokens: every request that
+    was not aborted streams the plain greedy tokens, an aborted one a prefix of them, and no
+    block leaks."""
+    rng = random.Random(100 + seed)
+    ps = prompts(6, seed)
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(5, 40),
+            temperature=0.0,
+            ignore_eos=True,
+            stop_token_ids=[rng.randrange(3, 256)] if i % 3 == 0 else [],
+        )
+        for i in range(len(ps))
+    ]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=4
+    )
+    llm = make_llm(tiny_llama_dir, spec, num_blocks=48, async_scheduling=True, max_num_seqs=4)
+    abort_at = {i: rng.randint(2, 25) for i in rng.sample(range(len(ps)), 2)}
+    got = _run_with_aborts(llm, ps, params, abort_at)
+    assert llm.core.num_chained_steps > 0
+    for i, tokens in enumerate(want):
+        if i in abort_at:
+            assert got[f"r{i}"] == tokens[: len(got[f"r{i}"])]
+        else:
+            assert got[f"r{i}"] == tokens, i
+    assert_no_leak(llm)
