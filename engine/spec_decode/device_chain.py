@@ -108,8 +108,10 @@ class DeviceNgramChain:
         first_rows: Sequence[int],  # [B] host: first row of each sequence's group
         drafts: Sequence[Sequence[int]] | None,  # host drafts per group (a chain's first step)
         fed: ChainStep | None,  # the step before, whose drafts this step verifies (chained)
+        copy: bool = True,
     ) -> ChainStep:
-        """Enqueue acceptance + the next drafts for a step's B groups, and their host copy."""
+        """Enqueue acceptance + the next drafts for a step's B groups, and their host copy
+        (`copy` False: none yet; `copy_to_host` copies several steps' results at once)."""
         num_seqs, k = len(first_rows), self.k
         history, history_len = self.history[:num_seqs], self.history_len[:num_seqs]
         ngram = (self.ngram_min, self.ngram_max, k)
@@ -149,14 +151,23 @@ class DeviceNgramChain:
                 packed = _reference_packed(
                     argmax, rows, drafts_dev, counts, counts, history, history_len, ngram
                 )
-        ready = None
-        if self._pin:
-            host = packed.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host = packed
-        return ChainStep(packed, k, host, ready)
+        step = ChainStep(packed, k, packed, None)
+        if copy:
+            self.copy_to_host([step])
+        return step
+
+    def copy_to_host(self, steps: Sequence[ChainStep]) -> None:
+        """One host copy of the steps' packed results (pinned, enqueued now; on the CPU they are
+        on the host already)."""
+        if not self._pin:
+            return
+        packed = steps[0].packed if len(steps) == 1 else torch.stack([s.packed for s in steps])
+        host = packed.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        for i, step in enumerate(steps):
+            step.host = host if len(steps) == 1 else host[i]
+            step.ready = ready
 
     def feed(
         self,

@@ -309,14 +309,17 @@ class ModelRunner:
             )
             step = chain.accept(argmax, first_rows, [g.draft_token_ids for g in groups], None)
         else:
-            step = chain.accept(argmax, first_rows, None, fwd.fed_chain)
+            several = fwd.num_device_steps > 1
+            step = chain.accept(argmax, first_rows, None, fwd.fed_chain, copy=not several)
         steps = [step]
         for _ in range(1, fwd.num_device_steps):  # each fed by the one before, on the device
             b = self.batch
             chain.feed(step, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
             _, argmax = self._greedy(self._run_model(fwd.inputs, fwd.graph), fwd.logits_indices)
-            step = chain.accept(argmax, first_rows, None, step)
+            step = chain.accept(argmax, first_rows, None, step, copy=False)
             steps.append(step)
+        if len(steps) > 1:
+            chain.copy_to_host(steps)
         pending = PendingStep(fwd.start, rows, groups, meta, logits, None, self._gpu_event(), chain=step)
         if len(steps) > 1:
             pending.chain_steps = steps
