@@ -89,6 +89,9 @@ class SpeculativeConfig:
     # device; the host plans and applies them as one step): the host's per-step work is what
     # bounds a small model's step. 1: one chained step per host pass.
     device_chain_steps: int = 4
+    # draft model, plain greedy batches: drafts stay on the device and feed the verification's
+    # inputs there (no host sync per draft step; the verification is staged while they run)
+    device_drafts: bool = True
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=SpeculativeConfig.device_chain_steps,
         help="chained ngram steps launched back to back per host pass (planned and applied as one)",
     )
+    eng.add_argument(
+        "--speculative-device-drafts",
+        action=argparse.BooleanOptionalAction,
+        default=SpeculativeConfig.device_drafts,
+        help="draft model: greedy drafts stay on the device and feed the verification there "
+        "(off: the host reads each draft step's tokens)",
+    )
     eng.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     eng.add_argument(
@@ -141,6 +148,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_model=args.speculative_model,
         device_chain=args.speculative_device_chain,
         device_chain_steps=args.speculative_device_chain_steps,
+        device_drafts=args.speculative_device_drafts,
     )
     device = DeviceConfig(device=args.device, dtype=args.dtype, enable_cuda_graphs=not args.enforce_eager)
     config = EngineConfig(

@@ -27,7 +27,7 @@ from pagedinfer.engine.sample.metadata import SamplingMetadata
 from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
 from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
-from pagedinfer.engine.spec_decode.proposer import DraftRequest, Proposer
+from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftRequest, Proposer
 from pagedinfer.engine.spec_decode.verifier import SpecVerifier
 from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
 
@@ -54,6 +54,7 @@ class SpeculativeDecoder:
         self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, V] q of its pending drafts
         self._known: set[int] = set()  # seq ids the proposer may hold state for
         self.device_chain: DeviceNgramChain | None = device_chain  # n-gram steps chained on the device
+        self.device_drafts: DeviceDrafts | None = None  # the last proposal's, when left on the device
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """CUDA graphs for the proposer's own model steps, when it runs a model (CUDA only)."""
@@ -84,6 +85,12 @@ class SpeculativeDecoder:
     def propose(self, running: Sequence[Request]) -> int:
         """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""
         self._draft_probs.clear()
+        if self.device_drafts is not None:  # placeholders of drafts never verified: gone with them
+            rows = self.device_drafts.rows
+            for seq in running:
+                if seq.spec_token_ids and seq.seq_id in rows:
+                    seq.spec_token_ids = []
+            self.device_drafts = None
         self._forget_gone(running)
         if not self.policy.is_step_enabled(len(running)):
             self.stats.num_disabled_sequence_steps += sum(map(_is_decoding, running))
@@ -115,6 +122,7 @@ class SpeculativeDecoder:
             self.stats.num_paused_sequence_steps += len(paused)
             return 0
         proposals = self.proposer.propose(requests)
+        self.device_drafts = proposals.device
         self._known.update(seq.seq_id for seq in candidates)
         num_drafts = 0
         probs = proposals.probs
@@ -153,6 +161,45 @@ class SpeculativeDecoder:
         """An all-greedy step's [N] argmax per row, enqueued at launch (None: not all greedy)."""
         return self.verifier.launch_greedy(logits, meta)
 
+    def feed_device_drafts(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> None:
+        """Write drafts left on the device into a step's input ids [T] (their rows hold
+        placeholders): each verifying sequence's trailing num_spec_tokens rows."""
+        drafts = self.device_drafts
+        if drafts is None:
+            return
+        dst: list[int] = []
+        src: list[int] = []
+        width = drafts.tokens.shape[1]
+        ends = sched.layout.query_start_loc
+        for b, s in enumerate(sched.sequences):
+            k = s.num_spec_tokens
+            row = drafts.rows.get(s.seq_id) if k else None
+            if row is None:
+                continue
+            end = int(ends[b + 1])
+            dst.extend(range(end - k, end))
+            src.extend(range(row * width, row * width + k))
+        if not dst:
+            return
+        index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=input_ids.is_cuda)
+        index = index.to(input_ids.device, non_blocking=True)
+        input_ids[index[0]] = drafts.tokens.view(-1)[index[1]]
+
+    def record_device_drafts(self, sched: SchedulerOutput, kv) -> None:
+        """Before a step's update: its verified drafts' ids replace the placeholders in the step's
+        inputs and in the KV record (which the update's prefix-cache hashes read)."""
+        drafts = self.device_drafts
+        if drafts is None:
+            return
+        lists = drafts.to_host()
+        for s in sched.sequences:
+            k = s.num_spec_tokens
+            if not k or s.seq_id not in lists:
+                continue
+            real = lists[s.seq_id][:k]
+            s.token_ids[len(s.token_ids) - k :] = real
+            kv.set_tokens(s.seq_id, s.num_computed_tokens + len(s.token_ids) - k, real)
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -161,6 +208,12 @@ class SpeculativeDecoder:
         argmax: HostTokenIds | None = None,  # launch_greedy's result on the host
     ) -> ModelRunnerOutput:
         """Tokens for every group of the step: accepted drafts + one, or one ordinary draw."""
+        if self.device_drafts is not None:  # the groups were laid out over placeholders
+            lists = self.device_drafts.to_host()
+            for g in groups:
+                real = lists.get(g.seq_id)
+                if real is not None and g.draft_token_ids:
+                    g.draft_token_ids = real[: len(g.draft_token_ids)]
         return self.verifier.sample(logits, meta, groups, self._draft_probs, argmax)
 
     # ---- engine: after scheduler.update ---------------------------------------------------------

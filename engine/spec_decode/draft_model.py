@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID
 from pagedinfer.engine.core.scheduler_output import SamplingRow
 from pagedinfer.engine.sample.metadata import build_sampling_metadata
 from pagedinfer.engine.sample.sampler import Sampler
-from pagedinfer.engine.spec_decode.proposer import DraftProposals, DraftRequest
+from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftProposals, DraftRequest
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch
@@ -75,6 +76,7 @@ class DraftModelProposer:
         num_speculative_tokens: int,
         target_vocab_size: int,
         attention_backend: str | None = None,
+        device_drafts: bool = True,
     ) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -89,6 +91,12 @@ class DraftModelProposer:
         self._seqs: dict[int, _DraftSeq] = {}
         self._computed: dict[int, int] = {}  # tokens per sequence whose K/V are written
         self.graphs: CudaGraphRunner | None = None
+        # All-greedy batches draft on the device (`_propose_on_device`); the drafts' ids reach the
+        # host (and this cache's records) after the verification (`resolve`).
+        self.device_drafts = device_drafts
+        self._unresolved: DeviceDrafts | None = None
+        self._placeholders: dict[int, int] = {}  # seq_id -> first cached position fed a draft
+        self.device_times_ms: list[float] = []  # per device-drafted step, once resolved (CUDA)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the draft's steady-state steps (CUDA only): one token per sequence (a draft
@@ -128,6 +136,9 @@ class DraftModelProposer:
     # ---- Proposer -------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
+        self.resolve()
+        if self.device_drafts and requests and all(_plain_greedy(r.row.sampling_params) for r in requests):
+            return self._propose_on_device(requests)
         num_reqs = len(requests)
         k_max = min(self.num_speculative_tokens, max((r.max_draft_tokens for r in requests), default=0))
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
@@ -156,9 +167,83 @@ class DraftModelProposer:
                 state.num_known = request.num_tokens
         return DraftProposals(token_ids=drafts, probs=probs)
 
+    def _propose_on_device(self, requests: Sequence[DraftRequest]) -> DraftProposals:
+        """`propose` for plain greedy requests without waiting for the device: each draft step's
+        input is the argmax of the step before, on the device; the drafts [R, K] stay there (the
+        runner writes them into the verification's inputs) and one host copy is enqueued."""
+        num_reqs = len(requests)
+        k_max = min(self.num_speculative_tokens, max(r.max_draft_tokens for r in requests))
+        cuda = self.device.type == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if start is not None:
+            start.record()
+        tokens = torch.zeros((num_reqs, k_max), dtype=torch.int64, device=self.device)
+        counts = [0] * num_reqs
+        active = [b for b, r in enumerate(requests) if self._catch_up(r)]
+        prev: torch.Tensor | None = None  # [A] the last step's drafts, in `active` order
+        for step in range(k_max):
+            if step > 0:  # feed the previous draft: its id is known on the device only
+                keep = [
+                    i
+                    for i, b in enumerate(active)
+                    if step < requests[b].max_draft_tokens and self._append_fed(requests[b].seq_id)
+                ]
+                if len(keep) != len(active):
+                    prev = prev[torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)]
+                    active = [active[i] for i in keep]
+            if not active:
+                break
+            seq_ids = [requests[b].seq_id for b in active]
+            num_new = [len(self._seqs[s].cached_ids) - self._computed[s] for s in seq_ids]
+            logits = self._forward(seq_ids, num_new, fed=prev if step > 0 else None)  # [A, V]
+            prev = logits.argmax(dim=-1)  # [A]
+            if len(active) == num_reqs:
+                tokens[:, step] = prev
+            else:
+                tokens[torch.tensor(active, dtype=torch.int64).to(self.device, non_blocking=True), step] = (
+                    prev
+                )
+            for b in active:
+                counts[b] += 1
+        for request in requests:
+            state = self._seqs.get(request.seq_id)
+            if state is not None:
+                state.num_known = request.num_tokens
+        host = tokens.to("cpu", non_blocking=True) if cuda else tokens
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+        rows = {r.seq_id: b for b, r in enumerate(requests)}
+        drafts = DeviceDrafts(tokens, rows, counts, host, ready, start)
+        self._unresolved = drafts
+        return DraftProposals(
+            token_ids=[[PLACEHOLDER_TOKEN_ID] * n for n in counts], probs=None, device=drafts
+        )
+
+    def resolve(self) -> None:
+        """Give the draft cache the ids of the drafts it was fed on the device (its records held
+        placeholders, its blocks were not hashed): before the next catch-up compares them."""
+        drafts, self._unresolved = self._unresolved, None
+        if drafts is None:
+            return
+        lists = drafts.to_host()
+        if drafts.start is not None:
+            self.device_times_ms.append(drafts.start.elapsed_time(drafts.ready))
+        for seq_id, first in self._placeholders.items():
+            state = self._seqs.get(seq_id)
+            if state is None:
+                continue  # freed meanwhile
+            fed = lists[seq_id][: len(state.cached_ids) - first]  # drafts 1..n-1 were fed
+            state.cached_ids[first : first + len(fed)] = fed
+            self.kv.set_tokens(seq_id, first, fed)
+            self.kv.mark_computed([seq_id], [self._computed[seq_id]])
+        self._placeholders.clear()
+
     def free(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None:
             self._computed.pop(seq_id, None)
+            self._placeholders.pop(seq_id, None)
             self.kv.free(seq_id)
 
     # ---- cache bookkeeping ----------------------------------------------------------------------
@@ -181,6 +266,11 @@ class DraftModelProposer:
         self._computed[request.seq_id] = keep
         return self._append(request.seq_id, tokens[keep:])
 
+    def _append_fed(self, seq_id: int) -> bool:
+        """Room for one draft fed on the device; its id is a placeholder until `resolve`."""
+        self._placeholders.setdefault(seq_id, len(self._seqs[seq_id].cached_ids))
+        return self._append(seq_id, [PLACEHOLDER_TOKEN_ID])
+
     def _append(self, seq_id: int, token_ids: list[int]) -> bool:
         copies = self.kv.append(seq_id, token_ids)
         if copies is None:  # the draft cache is full: stop drafting for this sequence
@@ -193,8 +283,13 @@ class DraftModelProposer:
         return True
 
     # ---- model ----------------------------------------------------------------------------------
-    def _forward(self, seq_ids: list[int], num_new: list[int]) -> torch.Tensor:
-        """Run the uncomputed tokens of each sequence; logits [A, V] at each one's last token."""
+    def _forward(
+        self, seq_ids: list[int], num_new: list[int], fed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run the uncomputed tokens of each sequence; logits [A, V] at each one's last token.
+
+        `fed` [A]: one new token a sequence, its id on the device (a device draft step); its
+        blocks are hashed by `resolve` once the ids are known."""
         computed = [self._computed[s] for s in seq_ids]
         layout = self.kv.build_batch(seq_ids, computed, num_new)
         input_ids = [
@@ -206,16 +301,22 @@ class DraftModelProposer:
         if key is not None:  # steady state: replay a captured graph on the padded static buffers
             last_rows = np.asarray(layout.query_start_loc[1:], dtype=np.int64) - 1  # [A]
             inputs = self.graphs.batch.stage(np.asarray(input_ids, dtype=np.int64), layout, last_rows, key)
+            if fed is not None:
+                self.graphs.batch.ids[: len(seq_ids)].copy_(fed)
             hidden = self.graphs.replay(key)  # [B * q, hidden]
             md = inputs.attn_metadata
         else:
             md = AttentionMetadata.from_batch(layout, self.device, backend=self.backend)
-            ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
+            if fed is not None:
+                ids = fed
+            else:
+                ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
             hidden = self.model(ids, md.positions, self.kv_caches, md)  # [T, hidden]
         logits = self.model.compute_logits(hidden[md.logits_indices], backend=self.backend)  # [A, V_draft]
         for s, c, n in zip(seq_ids, computed, num_new, strict=True):
             self._computed[s] = c + n
-        self.kv.mark_computed(seq_ids, [self._computed[s] for s in seq_ids])
+        if fed is None:
+            self.kv.mark_computed(seq_ids, [self._computed[s] for s in seq_ids])
         return _fit_vocab(logits, self.vocab_size)
 
     def _sample(
@@ -233,6 +334,12 @@ class DraftModelProposer:
             meta.seeds = meta.seeds ^ _DRAFT_SALT
         tokens = self.sampler.draw(processed, meta).tolist()
         return tokens, None if meta.all_greedy else processed.softmax(dim=-1)
+
+
+def _plain_greedy(params) -> bool:
+    """Drafts are the raw argmax at every position (no penalties; no min_tokens bans, which
+    could only lift at later positions)."""
+    return params.temperature == 0.0 and not params.has_penalties and params.min_tokens == 0
 
 
 def _position_row(row: SamplingRow, drafts: list[int]) -> SamplingRow:

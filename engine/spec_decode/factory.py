@@ -120,4 +120,5 @@ def _draft_proposer(
         config.num_speculative_tokens,
         int(target_model.config.vocab_size),
         attention_backend,
+        device_drafts=config.device_drafts,
     )

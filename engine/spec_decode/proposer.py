@@ -39,6 +39,30 @@ class DraftRequest:
 
 
 @dataclass
+class DeviceDrafts:
+    """Drafts that stay on the device (a greedy draft model's), written into the verification's
+    inputs there (ModelRunner); the host learns them from one copy enqueued after the last draft
+    step, by the time the verification is collected."""
+
+    tokens: torch.Tensor  # [R, K] int64 on the device: row r's first counts[r] are its drafts
+    rows: dict[int, int]  # seq_id -> row
+    counts: list[int]
+    host: torch.Tensor  # [R, K] the same on the host (pinned on CUDA), valid once `ready` is done
+    ready: torch.cuda.Event | None = None  # None: on the host already
+    start: torch.cuda.Event | None = None  # before the first draft step (with `ready`: device time)
+    _lists: dict[int, list[int]] | None = None
+
+    def to_host(self) -> dict[int, list[int]]:
+        """seq_id -> its drafts (waits for the copy the first time)."""
+        if self._lists is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            rows = self.host.tolist()
+            self._lists = {s: rows[r][: self.counts[r]] for s, r in self.rows.items()}
+        return self._lists
+
+
+@dataclass
 class DraftProposals:
     """Drafts for each request, in request order; a sequence may get fewer than asked, or none."""
 
@@ -46,6 +70,8 @@ class DraftProposals:
     # [B, K, V] fp32 draft distributions (row b valid for its first len(token_ids[b]) positions),
     # or None for a point mass on every drafted token.
     probs: torch.Tensor | None = None
+    # Set when the drafts stayed on the device: `token_ids` then hold placeholders (their counts).
+    device: DeviceDrafts | None = None
 
 
 class Proposer(Protocol):

@@ -66,6 +66,9 @@ class InputBatch:
             {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
             for _ in range(2)
         ]
+        # After each set's copies: a set is reused only once they ran (a proposer that stages
+        # several steps without waiting for the device could otherwise overwrite queued data).
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         self._staging_index = 1
         self._use_next_staging()
         (
@@ -80,6 +83,9 @@ class InputBatch:
 
     def _use_next_staging(self) -> None:
         self._staging_index ^= 1
+        copied = self._copied[self._staging_index]
+        if copied is not None:
+            copied.synchronize()
         host = self._staging[self._staging_index]
         self.ids_host, self.pos_host, self.slots_host = host["ids"], host["pos"], host["slots"]
         self.bt_host, self.lens_host, self.qsl_host, self.li_host = (
@@ -207,3 +213,7 @@ class InputBatch:
         ):
             dev[:n].copy_(host[:n], non_blocking=True)
         self.block_tables[:num_seqs].copy_(self.bt_host[:num_seqs], non_blocking=True)
+        if self.ids.is_cuda:
+            event = self._copied[self._staging_index] or torch.cuda.Event()
+            event.record()
+            self._copied[self._staging_index] = event

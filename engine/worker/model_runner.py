@@ -211,6 +211,8 @@ class ModelRunner:
             )
         elif sched.feeds_previous:
             self._feed_previous(sched, feed, inputs.input_ids)
+        elif getattr(self.spec_decoder, "device_drafts", None) is not None:
+            self.spec_decoder.feed_device_drafts(sched, self.batch.ids)  # a draft model's greedy drafts
         # Idle time is GPU time between one step's last kernel and the next step's forward: the
         # host work in between (update, schedule, prepare) is what the GPU waits for.
         start = self._gpu_event()

@@ -122,3 +122,11 @@ def test_speculative_device_chain_steps_flag(flag, expected):
 
     args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
     assert engine_config_from_args(args).speculative.device_chain_steps == expected
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], True), (["--no-speculative-device-drafts"], False)])
+def test_speculative_device_drafts_flag(flag, expected):
+    from pagedinfer.engine.server.cli_args import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
+    assert engine_config_from_args(args).speculative.device_drafts is expected

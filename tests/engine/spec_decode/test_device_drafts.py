@@ -1,0 +1,141 @@
+"""Greedy draft-model drafts left on the device (spec_decode/draft_model.py `_propose_on_device`,
+SpeculativeDecoder.feed_device_drafts / record_device_drafts): the draft steps feed each other and
+the verification's inputs on the device, the host learns the ids after the verification. Same
+tokens and the same verifications as drafts read by the host, and every record ends right."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedinfer.engine.sampling_params import SamplingParams
+from pagedinfer.engine.spec_decode.draft_model import DraftModelProposer
+from tests.engine.spec_decode.test_spec_engine import assert_no_leak, attach_draft, make_llm, prompts
+
+
+def _workload(seed: int):
+    rng = random.Random(seed)
+    ps = prompts(6, seed)
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(3, 30),
+            temperature=0.0,
+            ignore_eos=True,
+            stop_token_ids=[rng.randrange(3, 256)] if i % 3 == 0 else [],
+        )
+        for i in range(len(ps))
+    ]
+    return ps, params
+
+
+def _run(folder, ps, params, device_drafts: bool, draft_layers=None, draft_blocks=128, **sched):
+    llm = make_llm(folder, **sched)
+    model = llm.core.runner.model
+    draft = model if draft_layers is None else _first_layers(model, draft_layers)
+    spec = attach_draft(llm, draft, k=3, num_blocks=draft_blocks)
+    spec.proposer.device_drafts = device_drafts
+    calls = {"device": 0}
+    on_device = spec.proposer._propose_on_device
+
+    def counted(requests):
+        calls["device"] += 1
+        return on_device(requests)
+
+    spec.proposer._propose_on_device = counted
+    outs = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    stats = spec.stats
+    totals = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verified_sequences)
+    assert_no_leak(llm)
+    return outs, totals, calls["device"], llm
+
+
+def _first_layers(model, n):
+    from pagedinfer.engine.spec_decode.self_draft import LayerSubsetDraft
+
+    return LayerSubsetDraft(model, list(range(n)))
+
+
+@pytest.mark.parametrize(
+    ("seed", "draft_layers", "draft_blocks", "sched"),
+    [
+        (0, None, 128, {}),
+        (1, 1, 128, {}),
+        (2, None, 10, {}),  # the draft cache fills up: sequences stop drafting mid-proposal
+        (3, 1, 128, {"num_blocks": 40, "max_num_batched_tokens": 9}),  # preemption, partial drafts
+    ],
+)
+def test_device_drafts_verify_the_same_drafts_as_host_drafts(
+    tiny_llama_dir, plain_outputs, seed, draft_layers, draft_blocks, sched
+):
+    ps, params = _workload(seed)
+    want = plain_outputs(ps, params)
+    host = _run(tiny_llama_dir, ps, params, False, draft_layers, draft_blocks, **sched)
+    device = _run(tiny_llama_dir, ps, params, True, draft_layers, draft_blocks, **sched)
+    assert host[0] == want and device[0] == want
+    assert host[2] == 0 and device[2] > 0  # the device path ran, and only there
+    assert device[1] == host[1] and host[1][1] > 0  # drafts, accepted, verifications
+
+
+def test_the_draft_cache_records_the_fed_drafts(tiny_llama_dir):
+    """After `resolve`, each sequence's draft KV record is its cached ids, whose tail is the
+    drafts it was fed on the device."""
+    llm = make_llm(tiny_llama_dir)
+    spec = attach_draft(llm, _first_layers(llm.core.runner.model, 1), k=3)
+    proposer: DraftModelProposer = spec.proposer
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    core = llm.core
+    for i, p in enumerate(prompts(3, 5)):
+        core.add_request(f"r{i}", p, params)
+    checked = 0
+    while core.has_unfinished():
+        core.step()
+        drafts = spec.device_drafts
+        if drafts is None:
+            continue
+        fed = dict(proposer._placeholders)
+        proposer.resolve()
+        lists = drafts.to_host()
+        for seq_id, first in fed.items():
+            state = proposer._seqs.get(seq_id)
+            if state is None:
+                continue
+            kv = proposer.kv
+            record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
+            assert record[: kv.num_tokens(seq_id)] == state.cached_ids
+            assert state.cached_ids[first:] == lists[seq_id][: len(state.cached_ids) - first]
+            checked += 1
+    assert checked > 5
+    assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+
+    def run(ps, params):
+        return [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+
+    return run
+
+
+def test_prefix_cache_hashes_the_verified_drafts(tiny_llama_dir, plain_outputs):
+    """The target's KV record gets the drafts' ids before the update hashes its blocks: a prompt
+    of the first request's prompt + output reuses the blocks computed from verified drafts, one
+    with placeholder ids (0) there reuses none of them."""
+    llm = make_llm(tiny_llama_dir)
+    spec = attach_draft(llm, llm.core.runner.model, k=3)  # the target as its draft: all accepted
+    prompt = prompts(1, 7)[0][:8]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert spec.stats.num_accepted_tokens > 20
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for follow in (prompt + first.token_ids, prompt + [0] * len(first.token_ids)):
+        got = llm.generate(prompt_token_ids=[follow], sampling_params=short)[0]
+        assert got.token_ids == plain_outputs([follow], short)[0]
+        reused_output = got.usage.cached_prompt_tokens - len(prompt)  # block_size 4, prompt 8
+        if follow[-1]:
+            assert reused_output >= len(first.token_ids) - 8, got.usage
+        else:
+            assert reused_output <= 0, got.usage
+    assert_no_leak(llm)
