@@ -131,7 +131,11 @@ def smollm2_workload(args, ks: list[int], method: str) -> Workload:
                 **_policy(args),
             )
         return SpeculativeConfig(
-            method="draft", num_speculative_tokens=k, draft_model=args.draft, **_policy(args)
+            method="draft",
+            num_speculative_tokens=k,
+            draft_model=args.draft,
+            device_drafts=args.device_drafts == "on",
+            **_policy(args),
         )
 
     llm = LLM(_engine_config(args, args.model, args.dtype, spec_config(ks[0])))
@@ -166,7 +170,11 @@ def pair_workload(args, ks: list[int]) -> Workload:
 
     def spec_config(k: int) -> SpeculativeConfig:
         return SpeculativeConfig(
-            method="draft", num_speculative_tokens=k, draft_model=construction.draft, **_policy(args)
+            method="draft",
+            num_speculative_tokens=k,
+            draft_model=construction.draft,
+            device_drafts=args.device_drafts == "on",
+            **_policy(args),
         )
 
     config = _engine_config(

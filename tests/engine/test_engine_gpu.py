@@ -150,3 +150,27 @@ def test_chained_ngram_speculation_matches_plain_greedy(tiny_llama_dir, graphs, 
     assert chained.core.spec_decoder.stats.num_accepted_tokens > 0
     kv = chained.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
+    """A draft model's greedy drafts left on the device (fed to its next step and into the
+    verification's inputs there, read by the host afterwards) give the plain greedy tokens and
+    the same verifications as drafts the host reads step by step."""
+    plain = make_llm(tiny_llama_dir, graphs=graphs)
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(ps))]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    totals = []
+    for device_drafts in (True, False):
+        spec = SpeculativeConfig(
+            method="draft", draft_model="self:first=1", num_speculative_tokens=3, device_drafts=device_drafts
+        )
+        llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec)
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
+        stats = llm.core.spec_decoder.stats
+        totals.append((stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verified_sequences))
+        assert bool(llm.core.spec_decoder.proposer.device_times_ms) is device_drafts
+        kv = llm.core.scheduler.kv
+        assert kv.num_free_blocks == kv.num_blocks
+    assert totals[0] == totals[1] and totals[0][0] > 0
