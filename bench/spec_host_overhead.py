@@ -247,7 +247,7 @@ def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed) -> dict
     out["ms_per_token"] = out["step"] / (out["tokens_per_seq_step"] * batch)
     if core.spec_decoder is not None:
         out["acceptance_rate"] = core.spec_decoder.stats.acceptance_rate
-    out["chained_steps_fraction"] = num_chained / num_steps
+    out["chained_device_steps_per_step"] = num_chained / num_steps
     # Forward passes per engine step: a chained launch runs several, any other step one.
     device_steps_per_step = (num_steps - num_launches + num_chained) / num_steps
     out["device_steps_per_step"] = device_steps_per_step

@@ -76,7 +76,8 @@ class SchedulerOutput:
     # + K drafts) and positions come from the step before, on the device. It runs
     # `num_device_steps` such verification steps back to back, each fed by the one before, and is
     # planned and applied as one: each sequence's `token_ids` are placeholders for all of their
-    # inputs (num_device_steps * (K + 1)), its layout covers the first device step's K + 1 rows.
+    # inputs (num_device_steps * (K + 1)); the layout holds K + 1 rows a sequence, those of the
+    # last device step if every draft survives (block tables covering every device step).
     feeds_drafts: bool = False
     num_device_steps: int = 1
 

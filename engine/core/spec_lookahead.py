@@ -1,15 +1,17 @@
 """Chained speculative steps: plan step N+1 of an n-gram batch before step N's acceptance is known.
 
 Step N (launched, acceptance decided on the device: spec_decode/device_chain.py) verified K_N
-drafts per sequence; N+1 verifies K new drafts after N's bonus token. The host does not know
-how many of N's drafts survive, so it plans N+1 for the case that all did (positions, context
-lengths, slots: an upper bound) and reserves KV for it: K + 1 placeholder slots past N's. The
-device moves each sequence's inputs back by its rejected drafts (`DeviceNgramChain.feed`).
+drafts per sequence; N+1 verifies K new drafts after N's bonus token, in M device steps launched
+back to back (each verifying the drafts the one before made). The host does not know how many of
+N's drafts survive, so it plans N+1 for the case that all of them and all of N+1's do (block
+tables and context lengths: an upper bound) and reserves KV for it: M x (K + 1) placeholder slots
+past N's. Each device step's inputs (bonus token, drafts, positions, slots, context length) are
+written on the device from the token histories (`DeviceNgramChain.feed`).
 
-Once N's tokens are applied (`Scheduler.update` leaves the KV of these sequences alone), the
-placeholders become N+1's real inputs and the KV reservation shrinks to N+1's own extent:
-`resolve_spec_lookahead`. N+1 is then an ordinary record of what ran, and the next step is
-planned from it the same way.
+Once N's tokens are applied (`Scheduler.update` leaves the KV of these sequences alone), N+1's
+first inputs are known and the KV reservation shrinks to N+1's own extent: `resolve_spec_lookahead`;
+N+1's update records the ids its later device steps consumed (`record_device_inputs`). N+1 is
+then an ordinary record of what ran, and the next step is planned from it the same way.
 
 A chain continues N's batch unchanged: every running sequence was in N, samples there, and is
 all-greedy (the device decides by argmax); nothing can be preempted or admitted; each sequence
@@ -42,7 +44,7 @@ def plan_spec_lookahead(
     steps of K drafts a sequence, each fed by the one before."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
-    if len(prev.sequences) != len(scheduler.running) or _may_preempt(scheduler) or _may_admit(scheduler):
+    if len(prev.sequences) != len(scheduler.running) or _may_preempt(scheduler) or _may_admit(scheduler, k):
         return None
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
@@ -64,11 +66,11 @@ def plan_spec_lookahead(
         if seq.num_kv_tokens != end or seq.num_computed_tokens != s.num_computed_tokens:
             return None  # N's tokens already applied, or KV reserved beyond N's inputs
         # Room in the context, and no device step that starts past max_tokens for certain (each
-        # emits >= 1 token; N emits its bonus token).
+        # device step emits >= 1 token, N's included).
         steps = min(steps, (max_len - end) // q)
         max_tokens = row.sampling_params.max_tokens
         if max_tokens is not None:
-            steps = min(steps, max_tokens - row.output_position - 1)
+            steps = min(steps, max_tokens - row.output_position - prev.num_device_steps)
         if steps < 1:
             return None
         seqs.append(seq)
@@ -148,11 +150,18 @@ def record_device_inputs(scheduler: Scheduler, sched: SchedulerOutput, result: M
         scheduler.kv.set_tokens(s.seq_id, s.num_computed_tokens, [s.token_ids[0], *tokens[:-1]])
 
 
-def _may_admit(scheduler: Scheduler) -> bool:
+def _may_admit(scheduler: Scheduler, k: int) -> bool:
     """A waiting request the synchronous scheduler could seat and give blocks (a chain would keep
-    it waiting); one that fits no free blocks cannot be admitted by either."""
+    it waiting); one that fits no free blocks cannot be admitted by either. Blocks the chain holds
+    past what a synchronous step needs (its reservations for drafts not yet verified) count as
+    free: ending the chain releases them."""
     if not scheduler.waiting or scheduler._num_seats_taken() >= scheduler.config.max_num_seqs:
         return False
     kv = scheduler.kv
-    free = kv.num_free_blocks - kv.watermark_blocks
-    return any(kv.blocks_for_tokens(r.num_tokens) <= free for r in scheduler.waiting)
+    blocks = kv.blocks_for_tokens
+    reserved = sum(
+        max(blocks(seq.num_kv_tokens) - blocks(seq.num_computed_tokens + 1 + k), 0)
+        for seq in scheduler.running
+    )
+    free = kv.num_free_blocks + reserved - kv.watermark_blocks
+    return any(blocks(r.num_tokens) <= free for r in scheduler.waiting)

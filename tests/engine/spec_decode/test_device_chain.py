@@ -197,3 +197,70 @@ def test_aborts_and_a_tight_pool_with_several_device_steps(tiny_llama_dir, plain
         else:
             assert got[f"r{i}"] == tokens, i
     assert_no_leak(llm)
+
+
+def test_a_request_that_fits_once_the_chain_lets_go_is_admitted(tiny_llama_dir):
+    """The chain's KV reservations for drafts not yet verified count as free when deciding whether
+    a waiting request could be admitted: a request that fits only once they are released ends the
+    chain and is admitted long before the running request finishes."""
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=4
+    )
+    llm = make_llm(tiny_llama_dir, spec, num_blocks=40, async_scheduling=True, max_num_seqs=4)
+    core = llm.core
+    core.add_request(
+        "r0", [5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    )
+    added_at = admitted_at = None
+    while core.has_unfinished():
+        core.step()
+        r0 = [s for s in core.scheduler.running if s.request_id == "r0"]
+        outputs = len(r0[0].output_token_ids) if r0 else None
+        if added_at is None and outputs is not None and outputs >= 20:
+            long_prompt = [17, 18, 19, 20] * 26  # 104 tokens: 26 of the 40 blocks
+            core.add_request(
+                "r1", long_prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            )
+            added_at = outputs
+        if (
+            added_at is not None
+            and admitted_at is None
+            and any(s.request_id == "r1" for s in core.scheduler.running)
+        ):
+            admitted_at = outputs
+    assert core.num_chained_steps > 0
+    assert admitted_at is not None and admitted_at <= added_at + 16, (added_at, admitted_at)
+    assert_no_leak(llm)
+
+
+def test_no_launch_runs_after_its_sequence_has_certainly_finished(tiny_llama_dir, plain):
+    """A launch plans no device step that starts after max_tokens was certainly reached (every
+    device step of the launch before emits >= 1 token)."""
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=4
+    )
+    llm = chained(tiny_llama_dir, spec)
+    launches = []
+    plan = llm.core.runner.launch_forward
+
+    def record(sched, feed=None):
+        if sched.feeds_drafts:
+            seq = llm.core.scheduler.get_sequence(sched.sequences[0].seq_id)
+            launches.append((sched.num_device_steps, len(seq.output_token_ids)))
+        return plan(sched, feed)
+
+    llm.core.runner.launch_forward = record
+    for max_tokens in (10, 17, 40):
+        launches.clear()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        prompt = [[5, 6, 7, 8, 9] * 4]
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompt, sampling_params=params)]
+        assert got == [o.token_ids for o in plain.generate(prompt_token_ids=prompt, sampling_params=params)]
+        assert launches
+        # A launch is planned while its predecessor runs; both emit >= 1 token a device step, so
+        # outputs applied + the predecessor's device steps + its own stay within max_tokens (the
+        # first one's predecessor is a synchronous step).
+        prev_steps = [1] + [steps for steps, _ in launches[:-1]]
+        for (steps, known), before in zip(launches, prev_steps, strict=True):
+            assert known + before + steps <= max_tokens, (max_tokens, launches)
+    assert_no_leak(llm)
