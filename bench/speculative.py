@@ -113,6 +113,8 @@ def measure(
     before = replace(spec.stats)
     timer = Timed(spec.proposer.propose)
     spec.proposer.propose = timer
+    if hasattr(spec.proposer, "record_device_times"):
+        spec.proposer.record_device_times = True
     device_times = getattr(spec.proposer, "device_times_ms", None)
     num_device_times = len(device_times) if device_times is not None else 0
     chained = core.num_chained_steps

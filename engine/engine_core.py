@@ -226,7 +226,7 @@ class EngineCore:
         t_collect = clock()
         ahead = self._inflight[0] if self._inflight is not None else None
         if getattr(self.spec_decoder, "device_drafts", None) is not None:
-            self.spec_decoder.record_device_drafts(sched, self.scheduler.kv)
+            self.spec_decoder.record_device_drafts(sched, self.scheduler)
         if ahead is not None and ahead.feeds_drafts:
             updates = self.scheduler.update(sched, result, frozenset(s.seq_id for s in ahead.sequences))
             resolve_spec_lookahead(self.scheduler, ahead, result)

@@ -185,7 +185,7 @@ class SpeculativeDecoder:
         index = index.to(input_ids.device, non_blocking=True)
         input_ids[index[0]] = drafts.tokens.view(-1)[index[1]]
 
-    def record_device_drafts(self, sched: SchedulerOutput, kv) -> None:
+    def record_device_drafts(self, sched: SchedulerOutput, scheduler) -> None:
         """Before a step's update: its verified drafts' ids replace the placeholders in the step's
         inputs and in the KV record (which the update's prefix-cache hashes read)."""
         drafts = self.device_drafts
@@ -196,9 +196,12 @@ class SpeculativeDecoder:
             k = s.num_spec_tokens
             if not k or s.seq_id not in lists:
                 continue
+            seq = scheduler.get_sequence(s.seq_id)
+            if seq is None or seq.status is not RequestStatus.RUNNING:
+                continue  # finished meanwhile (a stop string, an abort): its KV is gone
             real = lists[s.seq_id][:k]
             s.token_ids[len(s.token_ids) - k :] = real
-            kv.set_tokens(s.seq_id, s.num_computed_tokens + len(s.token_ids) - k, real)
+            scheduler.kv.set_tokens(s.seq_id, s.num_computed_tokens + len(s.token_ids) - k, real)
 
     def sample(
         self,

@@ -96,7 +96,9 @@ class DraftModelProposer:
         self.device_drafts = device_drafts
         self._unresolved: DeviceDrafts | None = None
         self._placeholders: dict[int, int] = {}  # seq_id -> first cached position fed a draft
-        self.device_times_ms: list[float] = []  # per device-drafted step, once resolved (CUDA)
+        # Device time of each device-drafted proposal, once resolved (CUDA; when asked: a bench)
+        self.record_device_times = False
+        self.device_times_ms: list[float] = []
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the draft's steady-state steps (CUDA only): one token per sequence (a draft
@@ -174,7 +176,8 @@ class DraftModelProposer:
         num_reqs = len(requests)
         k_max = min(self.num_speculative_tokens, max(r.max_draft_tokens for r in requests))
         cuda = self.device.type == "cuda"
-        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        timed = cuda and self.record_device_times
+        start = torch.cuda.Event(enable_timing=True) if timed else None
         if start is not None:
             start.record()
         tokens = torch.zeros((num_reqs, k_max), dtype=torch.int64, device=self.device)
@@ -212,7 +215,7 @@ class DraftModelProposer:
         host = tokens.to("cpu", non_blocking=True) if cuda else tokens
         ready = None
         if cuda:
-            ready = torch.cuda.Event(enable_timing=True)
+            ready = torch.cuda.Event(enable_timing=timed)
             ready.record()
         rows = {r.seq_id: b for b, r in enumerate(requests)}
         drafts = DeviceDrafts(tokens, rows, counts, host, ready, start)

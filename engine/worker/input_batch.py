@@ -58,7 +58,8 @@ class InputBatch:
             "bt": ((2 * max_num_seqs, max_blocks_per_seq), torch.int32),
             "lens": (2 * max_num_seqs, torch.int32),
             "qsl": (2 * max_num_seqs + 1, torch.int32),
-            "li": (max_tokens, torch.int64),
+            # Logits rows: one per token at most, plus a fork row per child (each holds a seat).
+            "li": (max_tokens + max_num_seqs, torch.int64),
         }
         # Two sets of pinned staging buffers, used in turn: with async scheduling a step is staged
         # while the copies of the step before may still be queued behind the running one.

@@ -167,6 +167,7 @@ def test_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
             method="draft", draft_model="self:first=1", num_speculative_tokens=3, device_drafts=device_drafts
         )
         llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec)
+        llm.core.spec_decoder.proposer.record_device_times = True
         assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
         stats = llm.core.spec_decoder.stats
         totals.append((stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verified_sequences))

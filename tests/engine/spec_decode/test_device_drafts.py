@@ -139,3 +139,36 @@ def test_prefix_cache_hashes_the_verified_drafts(tiny_llama_dir, plain_outputs):
         else:
             assert reused_output <= 0, got.usage
     assert_no_leak(llm)
+
+
+class _CharTokenizer:
+    """One printable character per id: stop strings then match single tokens."""
+
+    def encode(self, text):
+        return [ord(c) - 0x100 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x100 + i) for i in ids)
+
+
+@pytest.mark.parametrize("device_drafts", [True, False])
+def test_a_stop_string_during_verification(tiny_llama_dir, plain_outputs, device_drafts):
+    """A stop string found in the step before's outputs (processed while the verification runs)
+    finishes a sequence whose drafts are being verified: the step goes on for the others and the
+    finished one ends at its stop string; nothing leaks."""
+    ps = prompts(3, 11)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = plain_outputs(ps, [greedy] * len(ps))
+    llm = make_llm(tiny_llama_dir)
+    llm.core.outputs.tokenizer = _CharTokenizer()
+    spec = attach_draft(llm, llm.core.runner.model, k=3)
+    spec.proposer.device_drafts = device_drafts
+    stops = [_CharTokenizer().decode([out[7]]) for out in plain]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,)) for stop in stops]
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
+    for out, want, stop in zip(outs, plain, stops, strict=True):
+        end = want.index(ord(stop) - 0x100)
+        assert out.completions[0].finish_reason.value == "stop"
+        assert out.token_ids[:end] == want[:end]
+    assert spec.stats.num_draft_tokens > 0
+    assert_no_leak(llm)

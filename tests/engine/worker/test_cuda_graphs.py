@@ -193,3 +193,16 @@ def test_graph_shaped_draft_model_steps_keep_greedy_output(tiny_llama_dir):
     # Draft steps of one token and catch-ups of two ran on the padded draft buffers.
     assert {k.query_len for k in proposer.graphs.replayed} == {1, 2}
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+def test_logits_rows_may_outnumber_the_token_budget():
+    """Fork rows (n > 1 children sampling from their leader's last row) come on top of one row per
+    token: a step of the full token budget with max_num_seqs - 1 fork rows stages them all."""
+    batch = InputBatch(
+        max_num_tokens=5, max_num_seqs=5, max_blocks_per_seq=4, scratch_block=9, block_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    layout = _layout([4, 1], [8, 3])  # a verifying sequence (4 rows) and a prompt's last token
+    rows = np.array([0, 1, 2, 3, 4, 4, 4, 4])  # + 3 fork rows of the prompt's leader
+    md = batch.stage(np.arange(5, dtype=np.int64), layout, rows).attn_metadata
+    assert md.logits_indices.tolist() == rows.tolist()
