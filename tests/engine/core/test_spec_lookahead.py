@@ -47,6 +47,20 @@ def _record(s: Scheduler, seq_id: int) -> list[int]:
     return tokens[: kv.num_tokens(seq_id)]
 
 
+def _apply_then_resolve(s: Scheduler, step_n, drafts, nxt, rng):
+    """N's outcome (a random accepted prefix of each sequence's drafts + a bonus token; the
+    device's next drafts for N+1) applied with N+1 in flight, then N+1 resolved."""
+    sampled, next_drafts = [], []
+    for n, d in zip(step_n.sequences, drafts, strict=True):
+        a = rng.randint(0, len(d))
+        sampled.append(SampledTokens(n.seq_id, [*d[:a], 40 + n.seq_id]))
+        next_drafts.append([rng.randrange(3, 30) for _ in range(K)])
+    result = ModelRunnerOutput(sampled, next_drafts=next_drafts)
+    s.update(step_n, result, frozenset(x.seq_id for x in nxt.sequences))
+    resolve_spec_lookahead(s, nxt, result)
+    return sampled, next_drafts
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_plan_then_resolve_matches_what_ran(seed):
     rng = random.Random(seed)
@@ -64,16 +78,7 @@ def test_plan_then_resolve_matches_what_ran(seed):
         assert nxt.layout.context_lens[b] == base + len(d) + q
         assert s.get_sequence(x.seq_id).num_kv_tokens == base + len(d) + q
         assert x.token_ids == [PLACEHOLDER_TOKEN_ID] * q
-    # N's outcome: a random accepted prefix of each sequence's drafts + a bonus token; the device's
-    # next drafts for N+1.
-    sampled, next_drafts = [], []
-    for n, d in zip(step_n.sequences, drafts, strict=True):
-        a = rng.randint(0, len(d))
-        sampled.append(SampledTokens(n.seq_id, [*d[:a], 40 + n.seq_id]))
-        next_drafts.append([rng.randrange(3, 30) for _ in range(K)])
-    result = ModelRunnerOutput(sampled, next_drafts=next_drafts)
-    s.update(step_n, result, frozenset(x.seq_id for x in nxt.sequences))
-    resolve_spec_lookahead(s, nxt, result)
+    sampled, next_drafts = _apply_then_resolve(s, step_n, drafts, nxt, rng)
     for x, st, nd in zip(nxt.sequences, sampled, next_drafts, strict=True):
         seq = s.get_sequence(x.seq_id)
         assert seq.spec_token_ids == []
@@ -144,14 +149,7 @@ def test_several_device_steps_reserve_resolve_and_record_what_ran(seed):
         assert nxt.layout.context_lens[b] == end + reserve
         assert s.get_sequence(x.seq_id).num_kv_tokens == end + reserve
         assert x.token_ids == [PLACEHOLDER_TOKEN_ID] * reserve and x.num_spec_tokens == reserve - 1
-    sampled, next_drafts = [], []
-    for n, d in zip(step_n.sequences, drafts, strict=True):
-        a = rng.randint(0, len(d))
-        sampled.append(SampledTokens(n.seq_id, [*d[:a], 40 + n.seq_id]))
-        next_drafts.append([rng.randrange(3, 30) for _ in range(K)])
-    result = ModelRunnerOutput(sampled, next_drafts=next_drafts)
-    s.update(step_n, result, frozenset(x.seq_id for x in nxt.sequences))
-    resolve_spec_lookahead(s, nxt, result)
+    sampled, next_drafts = _apply_then_resolve(s, step_n, drafts, nxt, rng)
     for x, st, nd in zip(nxt.sequences, sampled, next_drafts, strict=True):
         seq = s.get_sequence(x.seq_id)
         assert x.token_ids == [st.token_ids[-1], *nd, *[PLACEHOLDER_TOKEN_ID] * (reserve - q)]

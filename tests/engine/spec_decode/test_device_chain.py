@@ -10,7 +10,12 @@ import pytest
 
 from pagedinfer.engine.config import SpeculativeConfig
 from pagedinfer.engine.sampling_params import SamplingParams
-from tests.engine.spec_decode.test_spec_engine import assert_no_leak, generate, make_llm, prompts
+from tests.engine.spec_decode.test_spec_engine import (
+    assert_no_leak,
+    generate,
+    greedy_workload,
+    make_llm,
+)
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
 
@@ -47,17 +52,7 @@ def test_mixed_lengths_stops_and_a_queue(tiny_llama_dir, plain, seed, device_ste
     """Sequences finish at different steps (max_tokens, stop ids; with several device steps a
     launch, also inside one), requests wait for seats: chains end and start again; outputs equal,
     nothing leaks."""
-    rng = random.Random(seed)
-    ps = prompts(9, seed)
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(1, 30),
-            temperature=0.0,
-            ignore_eos=True,
-            stop_token_ids=[rng.randrange(3, 256) for _ in range(3)] if i % 2 else [],
-        )
-        for i in range(len(ps))
-    ]
+    ps, params = greedy_workload(random.Random(seed), 9, seed, (1, 30), stop_every=2, num_stops=3)
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
     spec = SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3, device_chain_steps=device_steps
@@ -173,16 +168,7 @@ def test_aborts_and_a_tight_pool_with_several_device_steps(tiny_llama_dir, plain
     was not aborted streams the plain greedy tokens, an aborted one a prefix of them, and no
     block leaks."""
     rng = random.Random(100 + seed)
-    ps = prompts(6, seed)
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(5, 40),
-            temperature=0.0,
-            ignore_eos=True,
-            stop_token_ids=[rng.randrange(3, 256)] if i % 3 == 0 else [],
-        )
-        for i in range(len(ps))
-    ]
+    ps, params = greedy_workload(rng, 6, seed, (5, 40), stop_every=3)
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
     spec = SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=4

@@ -11,22 +11,17 @@ import pytest
 
 from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.spec_decode.draft_model import DraftModelProposer
-from tests.engine.spec_decode.test_spec_engine import assert_no_leak, attach_draft, make_llm, prompts
+from tests.engine.spec_decode.test_spec_engine import (
+    assert_no_leak,
+    attach_draft,
+    greedy_workload,
+    make_llm,
+    prompts,
+)
 
 
 def _workload(seed: int):
-    rng = random.Random(seed)
-    ps = prompts(6, seed)
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(3, 30),
-            temperature=0.0,
-            ignore_eos=True,
-            stop_token_ids=[rng.randrange(3, 256)] if i % 3 == 0 else [],
-        )
-        for i in range(len(ps))
-    ]
-    return ps, params
+    return greedy_workload(random.Random(seed), 6, seed, (3, 30), stop_every=3)
 
 
 def _run(folder, ps, params, device_drafts: bool, draft_layers=None, draft_blocks=128, **sched):

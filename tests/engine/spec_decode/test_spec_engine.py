@@ -50,6 +50,24 @@ def prompts(n=5, seed=0):
     return out + [[5, 6, 7, 8, 9] * 4, [11, 12] * 8]  # repetitive: the n-gram proposer matches
 
 
+def greedy_workload(
+    rng: random.Random, n: int, seed: int, max_tokens: tuple[int, int], stop_every: int, num_stops: int = 1
+):
+    """`prompts(n, seed)` with greedy params of random lengths; every `stop_every`-th request
+    (from the first) also stops at one of `num_stops` random ids."""
+    ps = prompts(n, seed)
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(*max_tokens),
+            temperature=0.0,
+            ignore_eos=True,
+            stop_token_ids=[rng.randrange(3, 256) for _ in range(num_stops)] if i % stop_every == 0 else [],
+        )
+        for i in range(len(ps))
+    ]
+    return ps, params
+
+
 def generate(llm, params=GREEDY, ps=None):
     return [o.token_ids for o in llm.generate(prompt_token_ids=ps or prompts(), sampling_params=params)]
 
