@@ -25,8 +25,10 @@ class IncrementalDetokenizer:
     """One sequence's growing output text.
 
     `push(ids)` returns the newly safe-to-show text and, when a stop string matched, that
-    string (the text is cut before it and the sequence must finish). `flush()` releases the
-    held-back tail once the sequence finished for another reason.
+    string (the text is cut before it and the sequence must finish); `num_pushed_kept` then says
+    how many of the pushed ids came up to and including the one that completed the match (the
+    rest - several tokens a step, speculative decoding - are past the stop). `flush()` releases
+    the held-back tail once the sequence finished for another reason.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
         self._matcher = StopStringMatcher(stop)
         self.stopped_on: str | None = None
+        self.num_pushed_kept = 0  # of the last push's ids: those up to the stop (all: no stop)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -67,8 +70,10 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
         """Add tokens; returns (text to stream now, matched stop string or None)."""
         if self.stopped_on is not None:
+            self.num_pushed_kept = 0
             return "", self.stopped_on
-        for token_id in token_ids:
+        self.num_pushed_kept = len(token_ids)
+        for i, token_id in enumerate(token_ids):
             delta = self._append_token(token_id)
             if not delta:
                 continue
@@ -77,6 +82,7 @@ class IncrementalDetokenizer:
             if match is not None:
                 self.text = self.text[: match[0]]
                 self.stopped_on = match[1]
+                self.num_pushed_kept = i + 1
                 break
         return self._take(is_final=self.stopped_on is not None), self.stopped_on
 

@@ -77,16 +77,25 @@ class OutputProcessor:
 
     def _delta(self, state: _RequestState, u: SequenceUpdate) -> CompletionDelta:
         delta = CompletionDelta(u.index, token_ids=list(u.new_token_ids))
+        logprobs = u.logprobs
         detok = state.detokenizers[u.index]
         if detok is not None:
             delta.text, stop = detok.push(u.new_token_ids)
             seq = state.sequences[u.index]
+            if stop is not None:
+                # Tokens past the stop string (a step emitted several) are not output: as one
+                # token a step would have it, the last one is the token that completed the match.
+                past = len(delta.token_ids) - detok.num_pushed_kept
+                if past > 0:
+                    del delta.token_ids[-past:]
+                    del seq.output_token_ids[-past:]
+                    logprobs = logprobs[:-past] if logprobs is not None else None
             if stop is not None and not seq.is_finished:
                 self.scheduler.finish_sequence(seq, FinishReason.STOP, stop_reason=stop)
             elif stop is not None and seq.finish_reason is not FinishReason.ABORT:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
-        if u.logprobs is not None:
-            delta.logprobs = [self._logprobs(lp) for lp in u.logprobs]
+        if logprobs is not None:
+            delta.logprobs = [self._logprobs(lp) for lp in logprobs]
         return delta
 
     def _finish_delta(self, state: _RequestState, index: int, delta: CompletionDelta) -> None:

@@ -60,3 +60,14 @@ def test_earliest_of_several_stop_strings_wins_and_specials_skipped():
     detok = IncrementalDetokenizer(tok, [], stop=("bb", "ab"))
     text = "".join(stream(detok, [256, *tok.encode("xxabb")], chunk=3))
     assert text == "xx" and detok.stopped_on == "ab"
+
+
+def test_a_push_of_several_ids_says_how_many_came_up_to_the_stop():
+    """Speculative steps push several ids at once: the ones after the id that completed a stop
+    string are not output (`num_pushed_kept`); later pushes keep none."""
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, [], stop=("STOP",))
+    assert detok.push(tok.encode("ab ST"))[1] is None and detok.num_pushed_kept == 5
+    text, stop = detok.push(tok.encode("OP and more"))
+    assert stop == "STOP" and detok.num_pushed_kept == 2 and detok.text == "ab "
+    assert detok.push(tok.encode("x"))[1] == "STOP" and detok.num_pushed_kept == 0

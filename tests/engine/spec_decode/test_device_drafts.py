@@ -150,7 +150,8 @@ class _CharTokenizer:
 def test_a_stop_string_during_verification(tiny_llama_dir, plain_outputs, device_drafts):
     """A stop string found in the step before's outputs (processed while the verification runs)
     finishes a sequence whose drafts are being verified: the step goes on for the others and the
-    finished one ends at its stop string; nothing leaks."""
+    finished one ends at its stop string, token ids and usage included (accepted drafts past it
+    are not output); nothing leaks."""
     ps = prompts(3, 11)
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = plain_outputs(ps, [greedy] * len(ps))
@@ -164,6 +165,8 @@ def test_a_stop_string_during_verification(tiny_llama_dir, plain_outputs, device
     for out, want, stop in zip(outs, plain, stops, strict=True):
         end = want.index(ord(stop) - 0x100)
         assert out.completions[0].finish_reason.value == "stop"
-        assert out.token_ids[:end] == want[:end]
+        # as one token a step: up to and including the token that completed the stop string
+        assert out.token_ids == want[: end + 1]
+        assert out.usage.completion_tokens == end + 1
     assert spec.stats.num_draft_tokens > 0
     assert_no_leak(llm)
