@@ -234,6 +234,8 @@ class EngineHandle:
         if self._state is ServerState.STARTING:
             phase = getattr(engine, "startup_phase", None) if engine is not None else None
             phase = phase or "loading"
+            if phase == "ready":  # the engine is; requests are taken once the server flips (~50 ms)
+                phase = "starting_server"
         else:
             phase = "ready" if self._state is not ServerState.FAILED else "failed"
         end = self._ready_at if self._ready_at is not None else time.monotonic()
