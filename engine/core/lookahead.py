@@ -13,7 +13,10 @@ decode token; nothing can be preempted; no drafts, forks, penalties (which read 
 history on the host) or logprobs (their host copy would wait for N+1). A sequence certain to
 finish at N (max_tokens or the context length reached) gets no row. One that stops at N on a
 sampled token (EOS, stop ids) computes one token at N+1 that is discarded; its KV slot went back
-with its blocks, and the stream order puts N+1's write before any later owner's.
+with its blocks, and the stream order puts N+1's write before any later owner's. And a sequence
+that stopped after N was planned (its stop applied since: a stop token, a stop string, an abort)
+still has a row in N but gets none in N+1: without that, every unforeseeable stop in a batch made
+the step after it synchronous.
 
 Waiting requests are admitted into the lookahead behind the continuing sequences, as the
 synchronous step would admit them (its queue order, token budget, seats and KV blocks), except
@@ -41,7 +44,7 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     """Step N+1 for a launched step N (`prev`) whose tokens are not applied yet, or None."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
-    if len(prev.sequences) != len(scheduler.running) or _may_preempt(scheduler):
+    if len(prev.sequences) < len(scheduler.running) or _may_preempt(scheduler):
         return None
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
@@ -49,13 +52,17 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     planned: list[ScheduledSequence] = []
     feed_rows: list[int] = []  # the row of N's samples each planned sequence takes
     seqs = []
+    num_live = 0  # N's sequences still running: every running sequence must be one of them
     for i, s in enumerate(prev.sequences):
         row = s.sample
         if row is None or s.num_spec_tokens or s.fork_rows:
             return None
         seq = by_seq_id.get(s.seq_id)
-        if seq is None or seq.status is not running or seq.spec_token_ids or seq.pending_children:
+        if seq is None or seq.is_finished:
+            continue  # stopped after N was planned (a stop token, a stop string, an abort)
+        if seq.status is not running or seq.spec_token_ids or seq.pending_children:
             return None
+        num_live += 1
         params = row.sampling_params
         if params.logprobs is not None or params.has_penalties:
             return None
@@ -80,8 +87,8 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
         )
         seqs.append(seq)
         feed_rows.append(i)
-    if not planned:
-        return None  # nothing continues
+    if num_live != len(scheduler.running) or not planned:
+        return None  # a running sequence N does not hold, or nothing continues
     seq_ids = [s.seq_id for s in planned]
     copies = scheduler.kv.append_batch(seq_ids, [PLACEHOLDER_TOKEN_ID] * len(seq_ids), [1] * len(seq_ids))
     if copies is None:

@@ -360,3 +360,25 @@ def test_a_lookahead_that_fails_while_planned_gives_back_its_slots(tiny_llama_di
         core.scheduler.admit_waiting = flaky
 
     _keep_stepping_through_a_failure(tiny_llama_dir, make_flaky)
+
+
+def test_sequences_stopping_on_sampled_tokens_do_not_end_the_lookahead(pair):
+    """Sequences that stop on stop ids at different steps: after each stop the batch goes on
+    ahead without the stopped sequence (its row in the launched step is dropped), so every decode
+    step but the first is a lookahead; outputs equal the synchronous ones."""
+    sync, asyn = pair
+    rng = random.Random(3)
+    ps = prompts(16, seed=9)
+    params = [
+        SamplingParams(
+            max_tokens=60, temperature=0.0, stop_token_ids=[rng.randrange(3, 256) for _ in range(6)]
+        )
+        for _ in ps
+    ]
+    steps, ahead = asyn.core._step, asyn.core.num_lookahead_steps
+    want = run(sync, ps, params)
+    assert run(asyn, ps, params) == want
+    assert len({len(r[0][0]) for r in want}) > 6  # the stops fall in many different steps
+    steps, ahead = asyn.core._step - steps, asyn.core.num_lookahead_steps - ahead
+    assert ahead >= steps - 2, (steps, ahead)
+    assert_idle_and_free(asyn)
