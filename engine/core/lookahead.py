@@ -44,8 +44,8 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     """Step N+1 for a launched step N (`prev`) whose tokens are not applied yet, or None."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
-    if len(prev.sequences) < len(scheduler.running) or _may_preempt(scheduler):
-        return None
+    if not scheduler.running or len(prev.sequences) < len(scheduler.running) or _may_preempt(scheduler):
+        return None  # (nothing runs any more: N's sequences all stopped)
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
     max_len = scheduler.max_model_len

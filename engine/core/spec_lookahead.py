@@ -44,7 +44,9 @@ def plan_spec_lookahead(
     steps of K drafts a sequence, each fed by the one before."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
-    if len(prev.sequences) != len(scheduler.running) or _may_preempt(scheduler) or _may_admit(scheduler, k):
+    if not scheduler.running or len(prev.sequences) < len(scheduler.running):
+        return None  # (nothing runs any more: N's sequences all stopped)
+    if _may_preempt(scheduler) or _may_admit(scheduler, k):
         return None
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
@@ -53,28 +55,37 @@ def plan_spec_lookahead(
     steps = max_device_steps
     seqs = []
     ends: list[int] = []  # N's inputs end here: N+1's first position if all its drafts survive
-    for s in prev.sequences:
+    kept: list[int] = []  # N's rows that continue (none for a sequence that stopped or will at N)
+    num_live = 0  # N's sequences still running: every running sequence must be one of them
+    for i, s in enumerate(prev.sequences):
         row = s.sample
         if row is None or s.fork_rows:
             return None
         seq = by_seq_id.get(s.seq_id)
-        if seq is None or seq.status is not running or seq.pending_children:
+        if seq is None or seq.is_finished:
+            continue  # stopped after N was planned: its row in N is dropped, the chain goes on
+        if seq.status is not running or seq.pending_children:
             return None
         if seq.spec_token_ids and len(seq.spec_token_ids) != s.num_spec_tokens:
             return None  # drafts for a later step (N's own are fine: update clears them)
         end = s.num_computed_tokens + len(s.token_ids)
         if seq.num_kv_tokens != end or seq.num_computed_tokens != s.num_computed_tokens:
             return None  # N's tokens already applied, or KV reserved beyond N's inputs
+        num_live += 1
         # Room in the context, and no device step that starts past max_tokens for certain (each
         # device step emits >= 1 token, N's included).
-        steps = min(steps, (max_len - end) // q)
+        room = (max_len - end) // q
         max_tokens = row.sampling_params.max_tokens
         if max_tokens is not None:
-            steps = min(steps, max_tokens - row.output_position - prev.num_device_steps)
-        if steps < 1:
-            return None
+            room = min(room, max_tokens - row.output_position - prev.num_device_steps)
+        if room < 1:
+            continue  # it finishes at N for certain: no row
+        steps = min(steps, room)
         seqs.append(seq)
         ends.append(end)
+        kept.append(i)
+    if not seqs or num_live != len(scheduler.running):
+        return None  # nothing continues, or a running sequence N does not hold
     reserve = steps * q  # KV placeholders a sequence: every draft of every device step survives
     seq_ids = [seq.seq_id for seq in seqs]
     copies = scheduler.kv.append_batch(
@@ -83,7 +94,8 @@ def plan_spec_lookahead(
     if copies is None:
         return None  # out of blocks: the synchronous step decides whom to preempt
     planned: list[ScheduledSequence] = []
-    for seq, s, end in zip(seqs, prev.sequences, ends, strict=True):
+    for seq, i, end in zip(seqs, kept, ends, strict=True):
+        s = prev.sequences[i]
         seq.num_kv_tokens += reserve
         row = s.sample
         next_row = SamplingRow(
@@ -100,8 +112,16 @@ def plan_spec_lookahead(
     # any device step can take, its context lengths bound theirs. The rows themselves are
     # computed on the device from the token histories (DeviceNgramChain.feed).
     layout = scheduler.kv.build_batch(seq_ids, [e + reserve - q for e in ends], [q] * len(seq_ids))
+    rows = None if len(kept) == len(prev.sequences) else kept
     return SchedulerOutput(
-        planned, layout, copies, [], feeds_previous=True, feeds_drafts=True, num_device_steps=steps
+        planned,
+        layout,
+        copies,
+        [],
+        feeds_previous=True,
+        feed_rows=rows,
+        feeds_drafts=True,
+        num_device_steps=steps,
     )
 
 

@@ -169,6 +169,16 @@ class DeviceNgramChain:
             step.host = host if len(steps) == 1 else host[i]
             step.ready = ready
 
+    def select_rows(self, step: ChainStep, rows: Sequence[int]) -> ChainStep:
+        """Keep the histories of `rows` of `step`'s batch, in that order, as the rows of the next
+        step's (sequences that stopped in between are dropped); `step`'s result for them."""
+        index = torch.tensor(rows, dtype=torch.int64, pin_memory=self._pin).to(self.device, non_blocking=True)
+        n = len(rows)
+        self.history[:n] = self.history.index_select(0, index)
+        self.history_len[:n] = self.history_len.index_select(0, index)
+        packed = step.packed.index_select(0, index)
+        return ChainStep(packed, step.k_step, packed, None)
+
     def feed(
         self,
         prev: ChainStep,

@@ -204,11 +204,12 @@ class ModelRunner:
         if sched.feeds_drafts:
             if feed is None or feed.chain is None:
                 raise ValueError("a chained speculative step needs the launched step it continues")
+            chain = self.spec_decoder.device_chain
             fed_chain = feed.chain
+            if sched.feed_rows is not None:  # sequences stopped since that step: their rows go
+                fed_chain = chain.select_rows(fed_chain, sched.feed_rows)
             b = self.batch
-            self.spec_decoder.device_chain.feed(
-                fed_chain, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size
-            )
+            chain.feed(fed_chain, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
         elif sched.feeds_previous:
             self._feed_previous(sched, feed, inputs.input_ids)
         elif getattr(self.spec_decoder, "device_drafts", None) is not None:

@@ -382,3 +382,16 @@ def test_sequences_stopping_on_sampled_tokens_do_not_end_the_lookahead(pair):
     steps, ahead = asyn.core._step - steps, asyn.core.num_lookahead_steps - ahead
     assert ahead >= steps - 2, (steps, ahead)
     assert_idle_and_free(asyn)
+
+
+def test_a_whole_batch_stopping_at_once_with_a_queue(tiny_llama_dir, pair):
+    """Every running sequence stops on the same step while requests wait for seats: the next step
+    has nothing to continue (no lookahead) and admits the queue; outputs equal the synchronous."""
+    sync, _ = pair
+    asyn = make_llm(tiny_llama_dir, True, max_num_seqs=2)
+    ps = [[5, 6, 7, 8, 9, 10]] * 4
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    stop = run(sync, ps[:1], [greedy])[0][0][0][6]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop]) for _ in ps]
+    assert run(asyn, ps, params) == run(sync, ps, params)
+    assert_idle_and_free(asyn)

@@ -250,3 +250,32 @@ def test_no_launch_runs_after_its_sequence_has_certainly_finished(tiny_llama_dir
         for (steps, known), before in zip(launches, prev_steps, strict=True):
             assert known + before + steps <= max_tokens, (max_tokens, launches)
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("device_steps", [1, 4])
+def test_a_chain_goes_on_when_a_sequence_stops(tiny_llama_dir, plain, device_steps):
+    """Sequences that stop at different steps (max_tokens, stop ids) leave the chain; the others
+    go on chained (their device histories compacted), so after the prompt's step and the first
+    with host drafts every step is planned ahead; outputs equal plain greedy, nothing leaks."""
+    spec = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=3,
+        ngram_max=3,
+        min_acceptance_rate=0.0,
+        device_chain_steps=device_steps,
+    )
+    llm = chained(tiny_llama_dir, spec)
+    ps = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8, [21, 22, 23] * 5, [31, 32, 33, 34] * 4]
+    want_params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 60, 30, 45)]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=want_params)]
+    stop_mid = want[3][20]  # the fourth sequence stops on a sampled id instead of by length
+    params = [
+        *want_params[:3],
+        SamplingParams(max_tokens=45, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_mid]),
+    ]
+    steps, launches = llm.core._step, llm.core.num_lookahead_steps
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert got[:3] == want[:3] and got[3] == want[3][: want[3].index(stop_mid) + 1]
+    steps, launches = llm.core._step - steps, llm.core.num_lookahead_steps - launches
+    assert launches >= steps - 3, (steps, launches)
+    assert_no_leak(llm)
