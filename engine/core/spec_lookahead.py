@@ -75,11 +75,13 @@ def plan_spec_lookahead(
         # Room in the context, and no device step that starts past max_tokens for certain (each
         # device step emits >= 1 token, N's included).
         room = (max_len - end) // q
+        if room < 1:
+            return None  # no room in the context for a verification: the synchronous step decides
         max_tokens = row.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - row.output_position - prev.num_device_steps)
-        if room < 1:
-            continue  # it finishes at N for certain: no row
+            if room < 1:
+                continue  # it reaches max_tokens at N for certain: no row
         steps = min(steps, room)
         seqs.append(seq)
         ends.append(end)
