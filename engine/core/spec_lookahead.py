@@ -13,11 +13,13 @@ first inputs are known and the KV reservation shrinks to N+1's own extent: `reso
 N+1's update records the ids its later device steps consumed (`record_device_inputs`). N+1 is
 then an ordinary record of what ran, and the next step is planned from it the same way.
 
-A chain continues N's batch unchanged: every running sequence was in N, samples there, and is
-all-greedy (the device decides by argmax); nothing can be preempted or admitted; each sequence
-has room for N+1 in its context and max_tokens. Anything else (a sequence that stopped, a
-waiting request that could be admitted) ends the chain: the next step is scheduled
-synchronously, with drafts from the host proposer.
+A chain continues N's batch: every running sequence was in N, samples there, and is all-greedy
+(the device decides by argmax); nothing can be preempted or admitted; each sequence has room for
+a verification in its context. Sequences that stopped since N was planned, or reach max_tokens at
+N for certain, get no row (the device histories are compacted to the rows that go on:
+`DeviceNgramChain.select_rows`). Anything else (a waiting request that could be admitted, a
+sequence without room) ends the chain: the next step is scheduled synchronously, with drafts from
+the host proposer.
 """
 
 from __future__ import annotations
