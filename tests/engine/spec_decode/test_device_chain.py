@@ -25,6 +25,17 @@ def plain(tiny_llama_dir):
     return make_llm(tiny_llama_dir)
 
 
+def unpaused(device_steps: int) -> SpeculativeConfig:
+    """N-gram, K 3, up to 3-grams, no pauses (a paused sequence would end chains)."""
+    return SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=3,
+        ngram_max=3,
+        min_acceptance_rate=0.0,
+        device_chain_steps=device_steps,
+    )
+
+
 def chained(folder, spec=NGRAM, **sched):
     return make_llm(folder, spec, async_scheduling=True, **sched)
 
@@ -89,9 +100,7 @@ def test_a_chain_runs_until_its_batch_changes(tiny_llama_dir, plain):
     """Without pauses (min_acceptance_rate 0) one long sequence chains every step after its first
     two (the prompt's, then the first with host drafts); two sequences until the shorter stops,
     then again."""
-    spec = SpeculativeConfig(
-        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=1
-    )
+    spec = unpaused(1)
     llm = chained(tiny_llama_dir, spec)
     prompt = [[5, 6, 7, 8, 9] * 4]
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -119,13 +128,7 @@ def test_several_device_steps_per_launch_verify_as_one_step_each(tiny_llama_dir,
     want = [o.token_ids for o in plain.generate(prompt_token_ids=prompt, sampling_params=params)]
     runs = {}
     for device_steps in (1, 4):
-        spec = SpeculativeConfig(
-            method="ngram",
-            num_speculative_tokens=3,
-            ngram_max=3,
-            min_acceptance_rate=0.0,
-            device_chain_steps=device_steps,
-        )
+        spec = unpaused(device_steps)
         llm = chained(tiny_llama_dir, spec)
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompt, sampling_params=params)]
         assert got == want
@@ -170,9 +173,7 @@ def test_aborts_and_a_tight_pool_with_several_device_steps(tiny_llama_dir, plain
     rng = random.Random(100 + seed)
     ps, params = greedy_workload(rng, 6, seed, (5, 40), stop_every=3)
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
-    spec = SpeculativeConfig(
-        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=4
-    )
+    spec = unpaused(4)
     llm = make_llm(tiny_llama_dir, spec, num_blocks=48, async_scheduling=True, max_num_seqs=4)
     abort_at = {i: rng.randint(2, 25) for i in rng.sample(range(len(ps)), 2)}
     got = _run_with_aborts(llm, ps, params, abort_at)
@@ -189,9 +190,7 @@ def test_a_request_that_fits_once_the_chain_lets_go_is_admitted(tiny_llama_dir):
     """The chain's KV reservations for drafts not yet verified count as free when deciding whether
     a waiting request could be admitted: a request that fits only once they are released ends the
     chain and is admitted long before the running request finishes."""
-    spec = SpeculativeConfig(
-        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=4
-    )
+    spec = unpaused(4)
     llm = make_llm(tiny_llama_dir, spec, num_blocks=40, async_scheduling=True, max_num_seqs=4)
     core = llm.core
     core.add_request(
@@ -222,9 +221,7 @@ def test_a_request_that_fits_once_the_chain_lets_go_is_admitted(tiny_llama_dir):
 def test_no_launch_runs_after_its_sequence_has_certainly_finished(tiny_llama_dir, plain):
     """A launch plans no device step that starts after max_tokens was certainly reached (every
     device step of the launch before emits >= 1 token)."""
-    spec = SpeculativeConfig(
-        method="ngram", num_speculative_tokens=3, ngram_max=3, min_acceptance_rate=0.0, device_chain_steps=4
-    )
+    spec = unpaused(4)
     llm = chained(tiny_llama_dir, spec)
     launches = []
     plan = llm.core.runner.launch_forward
@@ -257,13 +254,7 @@ def test_a_chain_goes_on_when_a_sequence_stops(tiny_llama_dir, plain, device_ste
     """Sequences that stop at different steps (max_tokens, stop ids) leave the chain; the others
     go on chained (their device histories compacted), so after the prompt's step and the first
     with host drafts every step is planned ahead; outputs equal plain greedy, nothing leaks."""
-    spec = SpeculativeConfig(
-        method="ngram",
-        num_speculative_tokens=3,
-        ngram_max=3,
-        min_acceptance_rate=0.0,
-        device_chain_steps=device_steps,
-    )
+    spec = unpaused(device_steps)
     llm = chained(tiny_llama_dir, spec)
     ps = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8, [21, 22, 23] * 5, [31, 32, 33, 34] * 4]
     want_params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 60, 30, 45)]
