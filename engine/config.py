@@ -82,12 +82,13 @@ class SpeculativeConfig:
     ngram_max: int = 4
     max_batch_size: int = 32  # above this many running sequences speculation is skipped for the step
     min_acceptance_rate: float = 0.2  # per sequence, below this its speculation pauses
-    # n-gram, all-greedy batches: accept and draft on the device and plan steps ahead (async
-    # scheduling), spec_decode/device_chain.py; off: every speculative step is synchronous
+    # all-greedy batches: accept on the device and plan steps ahead (async scheduling), drafting
+    # there by prompt lookup (n-gram) or with the draft model (draft), spec_decode/device_chain.py;
+    # off: every speculative step is synchronous
     device_chain: bool = True
-    # Chained verification steps launched back to back per host pass (each feeds the next on the
-    # device; the host plans and applies them as one step): the host's per-step work is what
-    # bounds a small model's step. 1: one chained step per host pass.
+    # n-gram: chained verification steps launched back to back per host pass (each feeds the next
+    # on the device; the host plans and applies them as one step): the host's per-step work is
+    # what bounds a small model's step. 1: one chained step per host pass. (draft: always 1)
     device_chain_steps: int = 4
     # draft model, plain greedy batches: drafts stay on the device and feed the verification's
     # inputs there (no host sync per draft step; the verification is staged while they run)

@@ -230,6 +230,7 @@ class EngineCore:
         if ahead is not None and ahead.feeds_drafts:
             updates = self.scheduler.update(sched, result, frozenset(s.seq_id for s in ahead.sequences))
             resolve_spec_lookahead(self.scheduler, ahead, result)
+            self.spec_decoder.resolve_chained_drafts(sched, ahead, self.scheduler)
         else:
             updates = self.scheduler.update(sched, result)
             if ahead is not None:
@@ -267,7 +268,8 @@ class EngineCore:
         spec, running = self.spec_decoder, self.scheduler.running
         if spec is not None and pending.chain is not None and spec.may_chain(running):
             k, steps = spec.config.num_speculative_tokens, spec.config.device_chain_steps
-            nxt = plan_spec_lookahead(self.scheduler, sched, k, steps)
+            drafter = spec.reserve_chained_drafts if spec.chain_drafter is not None else None
+            nxt = plan_spec_lookahead(self.scheduler, sched, k, steps, drafter)
         elif pending.chain is not None or (spec is not None and spec.may_draft(running)):
             return  # (a step decided on the device has no samples a plain lookahead could take)
         else:

@@ -411,7 +411,7 @@ class Scheduler:
         `kv_ahead`: sequences whose next step is already launched with KV reserved past this
         one's (a chained speculative step): rejected drafts leave their KV to that step's resolve.
         """
-        if sched.num_device_steps > 1:
+        if sched.num_device_steps > 1 or sched.model_drafts:
             record_device_inputs(self, sched, result)
         by_seq_id = self._by_seq_id
         running = RequestStatus.RUNNING

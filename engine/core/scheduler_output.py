@@ -80,6 +80,9 @@ class SchedulerOutput:
     # last device step if every draft survives (block tables covering every device step).
     feeds_drafts: bool = False
     num_device_steps: int = 1
+    # A chained step whose drafts a draft model makes on the device at launch, from the step
+    # before's acceptance: the host learns the ids it verified from what it emits.
+    model_drafts: bool = False
 
     @property
     def num_fed(self) -> int:

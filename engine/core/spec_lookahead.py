@@ -24,6 +24,7 @@ the host proposer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID, _may_preempt
@@ -40,10 +41,17 @@ if TYPE_CHECKING:
 
 
 def plan_spec_lookahead(
-    scheduler: Scheduler, prev: SchedulerOutput, k: int, max_device_steps: int = 1
+    scheduler: Scheduler,
+    prev: SchedulerOutput,
+    k: int,
+    max_device_steps: int = 1,
+    reserve_drafts: Callable[[list[int], list[int]], Callable[[], None] | None] | None = None,
 ) -> SchedulerOutput | None:
     """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
-    steps of K drafts a sequence, each fed by the one before."""
+    steps of K drafts a sequence, each fed by the one before.
+
+    `reserve_drafts(seq_ids, ends)`: a draft model drafts the step at launch (one device step);
+    it reserves its own cache for the step and returns an undo, or None (no chain)."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
     if not scheduler.running or len(prev.sequences) < len(scheduler.running):
@@ -90,12 +98,20 @@ def plan_spec_lookahead(
         kept.append(i)
     if not seqs or num_live != len(scheduler.running):
         return None  # nothing continues, or a running sequence N does not hold
-    reserve = steps * q  # KV placeholders a sequence: every draft of every device step survives
     seq_ids = [seq.seq_id for seq in seqs]
+    undo_drafts = None
+    if reserve_drafts is not None:
+        steps = 1  # (the draft steps run between device steps: one a launch)
+        undo_drafts = reserve_drafts(seq_ids, ends)
+        if undo_drafts is None:
+            return None
+    reserve = steps * q  # KV placeholders a sequence: every draft of every device step survives
     copies = scheduler.kv.append_batch(
         seq_ids, [PLACEHOLDER_TOKEN_ID] * (len(seq_ids) * reserve), [reserve] * len(seq_ids)
     )
     if copies is None:
+        if undo_drafts is not None:
+            undo_drafts()
         return None  # out of blocks: the synchronous step decides whom to preempt
     planned: list[ScheduledSequence] = []
     for seq, i, end in zip(seqs, kept, ends, strict=True):
@@ -126,6 +142,7 @@ def plan_spec_lookahead(
         feed_rows=rows,
         feeds_drafts=True,
         num_device_steps=steps,
+        model_drafts=reserve_drafts is not None,
     )
 
 
@@ -147,7 +164,8 @@ def resolve_spec_lookahead(
         seq = by_seq_id.get(s.seq_id)
         if seq is None or seq.status is not running:
             continue  # stopped or aborted at N: its N+1 result is dropped by update()
-        known = [bonus[s.seq_id], *drafts[s.seq_id]]
+        # (a draft model's drafts are known once N+1 emits: `record_device_inputs`)
+        known = [bonus[s.seq_id]] if lookahead.model_drafts else [bonus[s.seq_id], *drafts[s.seq_id]]
         start = seq.num_computed_tokens  # after N's update: what N's inputs left computed
         s.token_ids[: len(known)] = known
         s.num_computed_tokens = start

@@ -53,7 +53,12 @@ class SpeculativeDecoder:
         self.stats = SpeculationStats()
         self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, V] q of its pending drafts
         self._known: set[int] = set()  # seq ids the proposer may hold state for
-        self.device_chain: DeviceNgramChain | None = device_chain  # n-gram steps chained on the device
+        self.device_chain: DeviceNgramChain | None = device_chain  # steps chained on the device
+        # A draft model that drafts chained steps on the device (None: the chain's own n-gram
+        # drafts); set when the proposer can (`launch_chained`) and a device chain exists.
+        self.chain_drafter = (
+            proposer if device_chain is not None and hasattr(proposer, "launch_chained") else None
+        )
         self.device_drafts: DeviceDrafts | None = None  # the last proposal's, when left on the device
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
@@ -187,9 +192,10 @@ class SpeculativeDecoder:
 
     def record_device_drafts(self, sched: SchedulerOutput, scheduler) -> None:
         """Before a step's update: its verified drafts' ids replace the placeholders in the step's
-        inputs and in the KV record (which the update's prefix-cache hashes read)."""
+        inputs and in the KV record (which the update's prefix-cache hashes read). A chained
+        step's come with its emitted tokens instead (`record_device_inputs`)."""
         drafts = self.device_drafts
-        if drafts is None:
+        if drafts is None or sched.feeds_drafts:
             return
         lists = drafts.to_host()
         for s in sched.sequences:
@@ -218,6 +224,30 @@ class SpeculativeDecoder:
                 if real is not None and g.draft_token_ids:
                     g.draft_token_ids = real[: len(g.draft_token_ids)]
         return self.verifier.sample(logits, meta, groups, self._draft_probs, argmax)
+
+    # ---- engine: chained steps drafted by the draft model -----------------------------------------
+    def reserve_chained_drafts(self, seq_ids, ends):
+        """Draft-cache room for a chained step (core/spec_lookahead.py); an undo, or None."""
+        return self.chain_drafter.reserve_chained(seq_ids, ends)
+
+    def resolve_chained_drafts(self, sched: SchedulerOutput, ahead: SchedulerOutput, scheduler) -> None:
+        """After step `sched` was applied, with chained step `ahead` launched behind it: the draft
+        cache learns the tokens its chained draft steps started from; sequences that stopped
+        give their draft blocks back now (a chain may run for many steps)."""
+        drafter = self.chain_drafter
+        if drafter is None or not ahead.model_drafts:
+            return
+        tokens = {}
+        for s in ahead.sequences:
+            seq = scheduler.get_sequence(s.seq_id)
+            if seq is not None and seq.status is RequestStatus.RUNNING:
+                tokens[s.seq_id] = [*seq.prompt_token_ids, *seq.output_token_ids]
+        drafter.resolve_chained(tokens)
+        for s in sched.sequences:
+            if s.seq_id not in tokens:
+                seq = scheduler.get_sequence(s.seq_id)
+                if seq is None or seq.status is not RequestStatus.RUNNING:
+                    self.free(s.seq_id)
 
     # ---- engine: after scheduler.update ---------------------------------------------------------
     def after_step(

@@ -109,9 +109,13 @@ class DeviceNgramChain:
         drafts: Sequence[Sequence[int]] | None,  # host drafts per group (a chain's first step)
         fed: ChainStep | None,  # the step before, whose drafts this step verifies (chained)
         copy: bool = True,
+        device_drafts: torch.Tensor | None = None,  # [B, K] a first step's drafts, on the device
     ) -> ChainStep:
         """Enqueue acceptance + the next drafts for a step's B groups, and their host copy
-        (`copy` False: none yet; `copy_to_host` copies several steps' results at once)."""
+        (`copy` False: none yet; `copy_to_host` copies several steps' results at once).
+
+        A first step's drafts come from the host (`drafts`), or, made by a draft model on the
+        device, from `device_drafts` (`drafts` then gives their counts only)."""
         num_seqs, k = len(first_rows), self.k
         history, history_len = self.history[:num_seqs], self.history_len[:num_seqs]
         ngram = (self.ngram_min, self.ngram_max, k)
@@ -137,12 +141,13 @@ class DeviceNgramChain:
             padded = flat[2 * num_seqs :].reshape(num_seqs, k)
             for b, d in enumerate(drafts):
                 flat[num_seqs + b] = len(d)
-                padded[b, : len(d)] = d
+                if device_drafts is None:
+                    padded[b, : len(d)] = d
             staged = self._groups[:size].to(argmax.device, non_blocking=True)
             if not self._pin:  # on the CPU .to() is the staging buffer itself, reused next step
                 staged = staged.clone()
             rows, counts = staged[:num_seqs], staged[num_seqs : 2 * num_seqs]
-            drafts_dev = staged[2 * num_seqs :].view(num_seqs, k)
+            drafts_dev = staged[2 * num_seqs :].view(num_seqs, k) if device_drafts is None else device_drafts
             if self.triton:
                 packed = ngram_ops.launch_packed(
                     argmax, rows, drafts_dev, counts, 1, history, history_len, *ngram, **rank
@@ -168,6 +173,14 @@ class DeviceNgramChain:
         for i, step in enumerate(steps):
             step.host = host if len(steps) == 1 else host[i]
             step.ready = ready
+
+    def with_drafts(self, step: ChainStep, drafts: torch.Tensor) -> ChainStep:
+        """`step` with its next drafts replaced by [B, K] drafts made elsewhere on the device (a
+        draft model's), all of them to be verified: what the next chained step feeds on."""
+        packed = step.packed.clone()
+        packed[:, PACKED_FIXED + step.k_step + 1 :] = drafts
+        packed[:, COL_HAS_MATCH] = 1
+        return ChainStep(packed, step.k_step, packed, None)
 
     def select_rows(self, step: ChainStep, rows: Sequence[int]) -> ChainStep:
         """Keep the histories of `rows` of `step`'s batch, in that order, as the rows of the next

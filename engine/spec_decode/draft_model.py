@@ -99,6 +99,12 @@ class DraftModelProposer:
         # Device time of each device-drafted proposal, once resolved (CUDA; when asked: a bench)
         self.record_device_times = False
         self.device_times_ms: list[float] = []
+        # Chained steps (core/spec_lookahead.py): drafted from the device token histories before
+        # the host knows what the step before accepted. Sequences whose cache records trail that
+        # way; the draft steps' input buffers; timed chained drafts not yet read.
+        self._chained: set[int] = set()
+        self._chain_batch: InputBatch | None = None
+        self._chain_times: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the draft's steady-state steps (CUDA only): one token per sequence (a draft
@@ -139,6 +145,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         self.resolve()
+        self._end_chains(requests)
         if self.device_drafts and requests and all(_plain_greedy(r.row.sampling_params) for r in requests):
             return self._propose_on_device(requests)
         num_reqs = len(requests)
@@ -247,7 +254,190 @@ class DraftModelProposer:
         if self._seqs.pop(seq_id, None) is not None:
             self._computed.pop(seq_id, None)
             self._placeholders.pop(seq_id, None)
+            self._chained.discard(seq_id)
             self.kv.free(seq_id)
+
+    # ---- chained steps (drafted on the device from the step before's acceptance) ---------------
+    # A chained step N+1 of sequence s starts at `end` (where N's inputs end: the position of N's
+    # bonus token if all of N's drafts survive). Before it, the draft cache holds s up to end - 1:
+    # N's inputs but the last draft. N+1's draft steps, from the device history of length L
+    # (L - 1 = the bonus token's actual position, <= end): one step of 2 tokens at L - 2, L - 1
+    # (the last accepted token or N's bonus token, recomputed: positions before it are valid; then
+    # N's new bonus token), then K - 1 steps of one draft each at L .. L + K - 2. Positions up to
+    # end + K - 1 are reserved (every draft of N accepted).
+    def reserve_chained(self, seq_ids: Sequence[int], ends: Sequence[int]):
+        """Draft-cache room for a chained step of these sequences; an undo function, or None
+        (no room, or a sequence whose cache is not where a chained step starts: no chain)."""
+        k = self.num_speculative_tokens
+        done: list[tuple[int, int, int | None]] = []  # (seq_id, end, previous first placeholder)
+
+        def undo() -> None:
+            for seq_id, end, first in done:
+                self._release(seq_id, end - 1)
+                if first is None:
+                    self._placeholders.pop(seq_id, None)
+
+        for seq_id, end in zip(seq_ids, ends, strict=True):
+            state = self._seqs.get(seq_id)
+            if state is None or len(state.cached_ids) != end - 1 or self._computed[seq_id] != end - 1:
+                undo()
+                return None
+            copies = self.kv.append(seq_id, [PLACEHOLDER_TOKEN_ID] * (k + 1))
+            if copies is None:
+                undo()
+                return None
+            self._copy_blocks(copies)
+            done.append((seq_id, end, self._placeholders.get(seq_id)))
+            state.cached_ids.extend([PLACEHOLDER_TOKEN_ID] * (k + 1))
+            self._placeholders.setdefault(seq_id, end - 1)
+            self._computed[seq_id] = end + k
+        # The ids of drafts fed on the device before now reach the records with the accepted
+        # tokens (`resolve_chained`), not from the proposal's copy.
+        self._unresolved = None
+        self._chained.update(seq_ids)
+        return undo
+
+    def _release(self, seq_id: int, keep: int) -> None:
+        """Drop a sequence's draft records and reservation from position `keep` on."""
+        state = self._seqs[seq_id]
+        if len(state.cached_ids) > keep:
+            self._copy_blocks(self.kv.truncate(seq_id, keep))
+            del state.cached_ids[keep:]
+        self._computed[seq_id] = min(self._computed[seq_id], keep)
+
+    @torch.inference_mode()
+    def launch_chained(
+        self,
+        seq_ids: Sequence[int],
+        ends: Sequence[int],
+        history: torch.Tensor,  # [>= B, W] the device token histories (device_chain.py)
+        history_len: torch.Tensor,  # [>= B] int32
+    ) -> torch.Tensor:
+        """Enqueue a chained step's K greedy draft steps (`reserve_chained` first); its drafts
+        [B, K] int64 on the device. Staged for the case that every draft of the step before
+        survives, moved back on the device by what it accepted (as the target's chained inputs)."""
+        num_seqs, k = len(seq_ids), self.num_speculative_tokens
+        batch = self._chain_inputs(int(history.shape[0]), int(history.shape[1]))
+        timed = self.device.type == "cuda" and self.record_device_times
+        start = torch.cuda.Event(enable_timing=True) if timed else None
+        if start is not None:
+            start.record()
+        drafts = torch.empty((num_seqs, k), dtype=torch.int64, device=self.device)
+        lens = history_len[:num_seqs].to(torch.int64)
+        rows = torch.arange(num_seqs, device=self.device)
+        shift: torch.Tensor | None = None  # [B] staged (all accepted) - actual positions
+        prev: torch.Tensor | None = None
+        for step in range(k):
+            q = 2 if step == 0 else 1
+            first = [e - 1 if step == 0 else e + step for e in ends]
+            layout = self.kv.build_batch(seq_ids, first, [q] * num_seqs)
+            key = self.graphs.select(num_seqs, q) if self.graphs is not None else None
+            last_rows = np.arange(q - 1, num_seqs * q, q, dtype=np.int64)
+            inputs = batch.stage(np.zeros(num_seqs * q, np.int64), layout, last_rows, key)
+            seq_lens = batch.seq_lens[:num_seqs]
+            if shift is None:
+                shift = seq_lens.to(torch.int64) - lens  # staged context L_max vs actual L
+            pos = batch.pos[: num_seqs * q].view(num_seqs, q)
+            pos.sub_(shift[:, None])
+            seq_lens.sub_(shift.to(seq_lens.dtype))
+            block_size = self.kv.block_size
+            blocks = batch.block_tables[:num_seqs].gather(1, pos // block_size).to(torch.int64)
+            batch.slots[: num_seqs * q].view(num_seqs, q).copy_(blocks * block_size + pos % block_size)
+            ids = batch.ids[: num_seqs * q].view(num_seqs, q)
+            if step == 0:  # the token at L - 2 (recomputed) and the new bonus token at L - 1
+                ids.copy_(history[rows[:, None], pos].to(torch.int64))
+            else:
+                ids.copy_(prev[:, None])
+            if key is not None:
+                hidden = self.graphs.replay(key)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            md = inputs.attn_metadata
+            logits = self.model.compute_logits(hidden[md.logits_indices], backend=self.backend)
+            prev = _fit_vocab(logits, self.vocab_size).argmax(dim=-1)  # [B]
+            drafts[:, step] = prev
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._chain_times.append((start, end))
+        return drafts
+
+    def _chain_inputs(self, max_seqs: int, max_len: int) -> InputBatch:
+        """The chained draft steps' input buffers: the graphs' static ones, else a batch of their own."""
+        if self.graphs is not None:
+            return self.graphs.batch
+        if self._chain_batch is None:
+            block_size = self.kv.block_size
+            self._chain_batch = InputBatch(
+                max_num_tokens=2 * max_seqs,
+                max_num_seqs=max_seqs,
+                max_blocks_per_seq=-(-(max_len + self.num_speculative_tokens) // block_size),
+                scratch_block=self.kv.num_blocks,
+                block_size=block_size,
+                device=self.device,
+                backend=self.backend,
+            )
+        return self._chain_batch
+
+    def resolve_chained(self, tokens_by_seq: dict[int, Sequence[int]]) -> None:
+        """The step before a launched chained step was applied: each sequence's known tokens
+        (length L). Positions below L get their ids (the chained step's first draft step
+        recomputes L - 2 and L - 1 with them); the reservation shrinks to the chained step's
+        L + K - 1 positions, its drafts (placeholders) from L on."""
+        k = self.num_speculative_tokens
+        for seq_id, tokens in tokens_by_seq.items():
+            state = self._seqs.get(seq_id)
+            if state is None or seq_id not in self._chained:
+                continue
+            num_known = len(tokens)
+            self._release(seq_id, num_known + k - 1)
+            self._set_ids(seq_id, tokens, num_known)
+            self._placeholders[seq_id] = num_known
+            self._computed[seq_id] = num_known + k - 1
+        self._harvest_chain_times()
+
+    def _end_chains(self, requests: Sequence[DraftRequest]) -> None:
+        """Before a proposal from the host: a sequence's records after its last chained step.
+        Valid are its ids before the step's last accepted position + 1 (that one held a rejected
+        draft, or none); the rest is dropped, and the catch-up feeds the sequence from there."""
+        if not self._chained:
+            return
+        tokens_by_seq = {r.seq_id: r.token_ids() for r in requests}
+        for seq_id in self._chained:
+            if self._seqs.get(seq_id) is None:
+                continue
+            tokens = tokens_by_seq.get(seq_id)
+            if tokens is None:  # not drafting now: keep only what is known to be valid
+                self._release(seq_id, self._placeholders.pop(seq_id, 0))
+                continue
+            valid = min(len(self._seqs[seq_id].cached_ids), len(tokens) - 1)
+            self._release(seq_id, valid)
+            self._set_ids(seq_id, tokens, valid)
+            self._placeholders.pop(seq_id, None)
+            self._seqs[seq_id].num_known = valid
+        self._chained.clear()
+        self._harvest_chain_times()
+
+    def _set_ids(self, seq_id: int, tokens: Sequence[int], upto: int) -> None:
+        """Placeholders before `upto` get the sequence's ids; full blocks before it are hashed."""
+        state = self._seqs[seq_id]
+        first = min(self._placeholders.get(seq_id, upto), upto)
+        if first < upto:
+            real = list(tokens[first:upto])
+            state.cached_ids[first:upto] = real
+            self.kv.set_tokens(seq_id, first, real)
+        self.kv.mark_computed([seq_id], [upto])
+
+    def _harvest_chain_times(self) -> None:
+        """Device times of chained draft launches that have run (a bench asked for them)."""
+        while self._chain_times and self._chain_times[0][1].query():
+            start, end = self._chain_times.pop(0)
+            self.device_times_ms.append(start.elapsed_time(end))
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)
+            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
 
     # ---- cache bookkeeping ----------------------------------------------------------------------
     def _catch_up(self, request: DraftRequest) -> bool:
@@ -279,9 +469,7 @@ class DraftModelProposer:
         if copies is None:  # the draft cache is full: stop drafting for this sequence
             self.free(seq_id)
             return False
-        if copies:
-            pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)
-            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+        self._copy_blocks(copies)
         self._seqs[seq_id].cached_ids.extend(token_ids)
         return True
 

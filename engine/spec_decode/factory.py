@@ -74,23 +74,25 @@ def build_speculative_decoder(
     _check_method(config)
     if config.method is None:
         return None
-    chain = None
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
-        if config.device_chain:
-            chain = DeviceNgramChain(
-                config.max_batch_size,
-                max_model_len,
-                config.num_speculative_tokens,
-                config.ngram_min,
-                config.ngram_max,
-                torch.device(target_model.device),
-                attention_backend,
-            )
     else:
         draft = draft_model or load_draft_model(config, target_model, target_tokenizer)
         proposer = _draft_proposer(
             config, draft, target_model, num_blocks, block_size, max_model_len, attention_backend
+        )
+    # Greedy batches accept on the device and plan steps ahead; their drafts come from the
+    # chain's prompt lookup (n-gram) or from the draft model run there (draft).
+    chain = None
+    if config.device_chain:
+        chain = DeviceNgramChain(
+            config.max_batch_size,
+            max_model_len,
+            config.num_speculative_tokens,
+            config.ngram_min,
+            config.ngram_max,
+            torch.device(target_model.device),
+            attention_backend,
         )
     return SpeculativeDecoder(config, proposer, max_model_len, device_chain=chain)
 

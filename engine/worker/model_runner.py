@@ -208,6 +208,15 @@ class ModelRunner:
             fed_chain = feed.chain
             if sched.feed_rows is not None:  # sequences stopped since that step: their rows go
                 fed_chain = chain.select_rows(fed_chain, sched.feed_rows)
+            if sched.model_drafts:  # the draft model drafts from the histories N's acceptance left
+                seqs = sched.sequences
+                drafts = self.spec_decoder.chain_drafter.launch_chained(
+                    [s.seq_id for s in seqs],
+                    [s.num_computed_tokens for s in seqs],
+                    chain.history,
+                    chain.history_len,
+                )
+                fed_chain = chain.with_drafts(fed_chain, drafts)
             b = self.batch
             chain.feed(fed_chain, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
         elif sched.feeds_previous:
@@ -310,7 +319,13 @@ class ModelRunner:
                     for i in first_rows
                 ]
             )
-            step = chain.accept(argmax, first_rows, [g.draft_token_ids for g in groups], None)
+            step = chain.accept(
+                argmax,
+                first_rows,
+                [g.draft_token_ids for g in groups],
+                None,
+                device_drafts=self._device_drafts_of(groups, chain.k),
+            )
         else:
             several = fwd.num_device_steps > 1
             step = chain.accept(argmax, first_rows, None, fwd.fed_chain, copy=not several)
@@ -327,6 +342,17 @@ class ModelRunner:
         if len(steps) > 1:
             pending.chain_steps = steps
         return pending
+
+    def _device_drafts_of(self, groups: Sequence[VerifyGroup], k: int) -> torch.Tensor | None:
+        """[B, K] the groups' drafts where a draft model left them on the device (0-padded), or
+        None: the groups hold their drafts' ids."""
+        drafts = getattr(self.spec_decoder, "device_drafts", None)
+        if drafts is None:
+            return None
+        index = [drafts.rows.get(g.seq_id, 0) for g in groups]
+        index = torch.tensor(index, dtype=torch.int64, pin_memory=drafts.tokens.is_cuda)
+        tokens = drafts.tokens.index_select(0, index.to(drafts.tokens.device, non_blocking=True))
+        return torch.nn.functional.pad(tokens, (0, k - tokens.shape[1]))
 
     def _greedy(
         self, hidden: torch.Tensor, logits_indices: torch.Tensor

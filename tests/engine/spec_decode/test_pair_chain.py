@@ -1,0 +1,148 @@
+"""Draft-model steps chained on the device (DraftModelProposer.reserve_chained / launch_chained /
+resolve_chained, core/spec_lookahead.py with `reserve_drafts`): each chained step is planned and
+launched before the step before it is collected; the draft model drafts from the device token
+histories that step's acceptance left. Same tokens as plain greedy decoding, the same drafts as
+the synchronous pair, and every KV record (target and draft) ends right."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedinfer.engine.config import SpeculativeConfig
+from pagedinfer.engine.sampling_params import SamplingParams
+from pagedinfer.engine.spec_decode.controller import SpeculativeDecoder
+from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
+from pagedinfer.engine.spec_decode.self_draft import LayerSubsetDraft
+from tests.engine.spec_decode.test_spec_engine import (
+    MAX_MODEL_LEN,
+    assert_no_leak,
+    attach_draft,
+    greedy_workload,
+    make_llm,
+    prompts,
+)
+
+K = 3
+LATER_LAYER_SCALE = 0.3  # the target's layer 1 scaled down: its 1-layer draft agrees often, not always
+
+
+def _scaled(llm):
+    """The tiny target with its second layer's residual updates scaled (bench/spec_pair.py's way
+    of making a draft of its first layers agree with it part of the time)."""
+    layer = llm.core.runner.model.model.layers[1]
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.mul_(LATER_LAYER_SCALE)
+        layer.mlp.down_proj.weight.mul_(LATER_LAYER_SCALE)
+    return llm
+
+
+def _pair(folder, chained: bool, draft_blocks: int = 128, **sched):
+    """An engine verifying a 1-layer draft of itself; `chained`: steps chained on the device."""
+    llm = _scaled(make_llm(folder, async_scheduling=True, **sched))
+    draft = LayerSubsetDraft(llm.core.runner.model, [0])
+    proposer = attach_draft(llm, draft, k=K, num_blocks=draft_blocks).proposer
+    chain = None
+    if chained:
+        chain = DeviceNgramChain(32, MAX_MODEL_LEN, K, 1, 4, torch.device("cpu"), "reference")
+    config = SpeculativeConfig(method="draft", num_speculative_tokens=K, min_acceptance_rate=0.0)
+    spec = SpeculativeDecoder(config, proposer, MAX_MODEL_LEN, device_chain=chain)
+    llm.core.spec_decoder = spec
+    llm.core.runner.spec_decoder = spec
+    return llm
+
+
+def _generate(llm, ps, params):
+    """Outputs, and each request's verifications in order: (drafts, accepted)."""
+    spec = llm.core.spec_decoder
+    checks: dict[int, list[tuple[int, int]]] = {}
+    observe = spec.policy.observe
+
+    def record(seq_id, k, accepted):
+        checks.setdefault(seq_id, []).append((k, accepted))
+        observe(seq_id, k, accepted)
+
+    spec.policy.observe = record
+    outs = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    return outs, [checks.get(seq_id, []) for seq_id in sorted(checks)]
+
+
+def _same_drafts(sync: list[tuple[int, int]], chained: list[tuple[int, int]]) -> int:
+    """Verifications compared in order while the synchronous pair drafted all K (near max_tokens
+    it drafts fewer, a chained step always K): equal accepted counts. Returns how many compared."""
+    n = 0
+    for (k_sync, a_sync), (k_chained, a_chained) in zip(sync, chained, strict=False):
+        if k_sync != K:
+            break
+        assert (k_chained, a_chained) == (K, a_sync), n
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    llm = _scaled(make_llm(tiny_llama_dir))
+    return lambda ps, params: [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+
+
+@pytest.mark.parametrize(
+    ("seed", "sched"),
+    [(0, {}), (1, {}), (2, {"max_num_seqs": 3}), (3, {"num_blocks": 48, "max_num_seqs": 4})],
+)
+def test_chained_pair_matches_plain_and_the_synchronous_pair(tiny_llama_dir, plain, seed, sched):
+    ps, params = greedy_workload(random.Random(seed), 6, seed, (3, 30), stop_every=3)
+    want = plain(ps, params)
+    sync = _pair(tiny_llama_dir, False, **sched)
+    chained = _pair(tiny_llama_dir, True, **sched)
+    sync_out, sync_checks = _generate(sync, ps, params)
+    chained_out, chained_checks = _generate(chained, ps, params)
+    assert sync_out == want and chained_out == want
+    assert sync.core.num_chained_steps == 0 and chained.core.num_chained_steps > 10
+    # The chained steps drafted what the synchronous pair drafted: the same acceptance, step by
+    # step, with partial acceptance common (a wrong position or context would show).
+    assert len(sync_checks) == len(chained_checks)
+    compared = sum(_same_drafts(a, b) for a, b in zip(sync_checks, chained_checks, strict=True))
+    partial = sum(0 < a < K for checks in sync_checks for _, a in checks)
+    assert compared > 40 and partial > 10, (compared, partial)
+    assert_no_leak(sync)
+    assert_no_leak(chained)
+
+
+def test_draft_records_hold_the_real_tokens_while_chained(tiny_llama_dir):
+    """After every step: each draft sequence's KV record is its cached ids, and those before its
+    first placeholder are the sequence's own tokens."""
+    llm = _pair(tiny_llama_dir, True)
+    proposer = llm.core.spec_decoder.proposer
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    core = llm.core
+    for i, p in enumerate(prompts(3, 7)):
+        core.add_request(f"r{i}", p, params)
+    checked = 0
+    while core.has_unfinished():
+        core.step()
+        kv = proposer.kv
+        for seq_id, state in proposer._seqs.items():
+            seq = core.scheduler.get_sequence(seq_id)
+            if seq is None:
+                continue
+            record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
+            assert record[: kv.num_tokens(seq_id)] == state.cached_ids
+            known = proposer._placeholders.get(seq_id, len(state.cached_ids))
+            tokens = [*seq.prompt_token_ids, *seq.output_token_ids]
+            assert state.cached_ids[:known] == tokens[:known]
+            checked += seq_id in proposer._chained
+    assert checked > 10 and core.num_chained_steps > 10
+    assert_no_leak(llm)
+
+
+def test_a_full_draft_cache_ends_the_chain_not_the_output(tiny_llama_dir, plain):
+    """Too few draft blocks for every sequence's chained reservation: those steps run
+    synchronously (drafting what fits), the output stays plain greedy's, nothing leaks."""
+    ps, params = greedy_workload(random.Random(5), 6, 5, (10, 40), stop_every=4)
+    llm = _pair(tiny_llama_dir, True, draft_blocks=24)
+    out, checks = _generate(llm, ps, params)
+    assert out == plain(ps, params)
+    assert sum(a for c in checks for _, a in c) > 0
+    assert_no_leak(llm)
