@@ -123,9 +123,12 @@ probe spec_ngram_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR
 probe spec_ngram_chain1 "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_chain1" --workloads ngram \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 \
   --device-chain-steps 1
+# the pair again with every speculative step synchronous (draft steps not chained on the device)
+probe spec_pair_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_pair_sync" \
+  --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --device-chain off
 # the pair again with the host reading every draft step's tokens (drafts not left on the device)
 probe spec_pair_host_drafts "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_host_drafts" \
-  --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --device-drafts off
+  --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --device-drafts off --device-chain off
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,

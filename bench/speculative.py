@@ -313,7 +313,8 @@ def _parse_args() -> argparse.Namespace:
         "--device-chain",
         choices=("on", "off"),
         default="on",
-        help="n-gram: accept and draft on the device, steps planned ahead (off: synchronous steps)",
+        help="greedy: accept and draft on the device (prompt lookup, or the draft model), steps "
+        "planned ahead (off: synchronous steps)",
     )
     parser.add_argument(
         "--device-drafts",

@@ -135,6 +135,7 @@ def smollm2_workload(args, ks: list[int], method: str) -> Workload:
             num_speculative_tokens=k,
             draft_model=args.draft,
             device_drafts=args.device_drafts == "on",
+            device_chain=args.device_chain == "on",
             **_policy(args),
         )
 
@@ -174,6 +175,7 @@ def pair_workload(args, ks: list[int]) -> Workload:
             num_speculative_tokens=k,
             draft_model=construction.draft,
             device_drafts=args.device_drafts == "on",
+            device_chain=args.device_chain == "on",
             **_policy(args),
         )
 

@@ -164,9 +164,13 @@ def test_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
     totals = []
     for device_drafts in (True, False):
         spec = SpeculativeConfig(
-            method="draft", draft_model="self:first=1", num_speculative_tokens=3, device_drafts=device_drafts
+            method="draft",
+            draft_model="self:first=1",
+            num_speculative_tokens=3,
+            device_drafts=device_drafts,
+            device_chain=False,  # every step synchronous: the two verify the same drafts
         )
-        llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec)
+        llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=False)
         llm.core.spec_decoder.proposer.record_device_times = True
         assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
         stats = llm.core.spec_decoder.stats
@@ -175,3 +179,25 @@ def test_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
         kv = llm.core.scheduler.kv
         assert kv.num_free_blocks == kv.num_blocks
     assert totals[0] == totals[1] and totals[0][0] > 0
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_chained_pair_matches_plain_greedy(tiny_llama_dir, graphs):
+    """Draft-model steps chained on the device (acceptance in the Triton kernel, the draft's
+    steps fed from the device histories in its graphs' buffers, the verification fed from them)
+    give the plain greedy tokens, and every KV block comes back (target and draft)."""
+    plain = make_llm(tiny_llama_dir, graphs=graphs)
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(ps))]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    spec = SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=3)
+    llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True)
+    proposer = llm.core.spec_decoder.proposer
+    proposer.record_device_times = True
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
+    assert llm.core.num_chained_steps > 10
+    assert len(proposer.device_times_ms) > 10  # chained draft launches timed on the device
+    assert (proposer.graphs is not None) is graphs
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
