@@ -137,6 +137,7 @@ class DraftModelProposer:
             block_size=block_size,
             device=self.device,
             backend=self.backend,
+            num_staging_sets=self._num_staging_sets(),
         )
         keys = graph_keys(default_buckets(max_num_seqs), (1, 2), batch.max_num_tokens)
         return CudaGraphRunner(self.model, self.kv_caches, batch, keys)
@@ -376,8 +377,14 @@ class DraftModelProposer:
                 block_size=block_size,
                 device=self.device,
                 backend=self.backend,
+                num_staging_sets=self._num_staging_sets(),
             )
         return self._chain_batch
+
+    def _num_staging_sets(self) -> int:
+        """Two launches' draft steps staged without waiting: a chained launch stages its K draft
+        steps while the launch before it may still be queued on the device."""
+        return 2 * self.num_speculative_tokens
 
     def resolve_chained(self, tokens_by_seq: dict[int, Sequence[int]]) -> None:
         """The step before a launched chained step was applied: each sequence's known tokens

@@ -40,6 +40,7 @@ class InputBatch:
         block_size: int,
         device: torch.device,
         backend: str | None = None,
+        num_staging_sets: int = 2,
     ) -> None:
         self.device = device
         self.backend = backend
@@ -61,16 +62,17 @@ class InputBatch:
             # Logits rows: one per token at most, plus a fork row per child (each holds a seat).
             "li": (max_tokens + max_num_seqs, torch.int64),
         }
-        # Two sets of pinned staging buffers, used in turn: with async scheduling a step is staged
-        # while the copies of the step before may still be queued behind the running one.
+        # Sets of pinned staging buffers, used in turn: with async scheduling a step is staged
+        # while the copies of the step before may still be queued behind the running one (a
+        # draft model staging its K steps of a chained launch at once wants more than two).
         self._staging = [
             {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
-            for _ in range(2)
+            for _ in range(num_staging_sets)
         ]
         # After each set's copies: a set is reused only once they ran (a proposer that stages
         # several steps without waiting for the device could otherwise overwrite queued data).
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._staging_index = 1
+        self._copied: list[torch.cuda.Event | None] = [None] * num_staging_sets
+        self._staging_index = num_staging_sets - 1
         self._use_next_staging()
         (
             self.ids,
@@ -83,7 +85,7 @@ class InputBatch:
         ) = (torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes.values())
 
     def _use_next_staging(self) -> None:
-        self._staging_index ^= 1
+        self._staging_index = (self._staging_index + 1) % len(self._staging)
         copied = self._copied[self._staging_index]
         if copied is not None:
             copied.synchronize()

@@ -206,3 +206,18 @@ def test_logits_rows_may_outnumber_the_token_budget():
     rows = np.array([0, 1, 2, 3, 4, 4, 4, 4])  # + 3 fork rows of the prompt's leader
     md = batch.stage(np.arange(5, dtype=np.int64), layout, rows).attn_metadata
     assert md.logits_indices.tolist() == rows.tolist()
+
+
+def test_staging_sets_are_used_in_turn():
+    """Each stage takes the next pinned staging set, cycling through `num_staging_sets` (a draft
+    model stages its K chained steps at once; a set comes back only after all the others)."""
+    batch = InputBatch(
+        max_num_tokens=4, max_num_seqs=2, max_blocks_per_seq=4, scratch_block=9, block_size=4,
+        device=torch.device("cpu"), num_staging_sets=3,
+    )  # fmt: skip
+    layout = _layout([1], [3])
+    used = []
+    for _ in range(4):
+        batch.stage(np.zeros(1, dtype=np.int64), layout, np.array([0]))
+        used.append(batch.ids_host.data_ptr())
+    assert len(set(used[:3])) == 3 and used[3] == used[0]
