@@ -45,13 +45,14 @@ def plan_spec_lookahead(
     prev: SchedulerOutput,
     k: int,
     max_device_steps: int = 1,
-    reserve_drafts: Callable[[list[int], list[int]], Callable[[], None] | None] | None = None,
+    reserve_drafts: Callable[[list[int], list[int], list[int]], Callable[[], None] | None] | None = None,
 ) -> SchedulerOutput | None:
     """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
     steps of K drafts a sequence, each fed by the one before.
 
-    `reserve_drafts(seq_ids, ends)`: a draft model drafts the step at launch (one device step);
-    it reserves its own cache for the step and returns an undo, or None (no chain)."""
+    `reserve_drafts(seq_ids, starts, ends)` (where N's inputs start and end): a draft model
+    drafts the step at launch (one device step); it reserves its own cache for the step and
+    returns an undo, or None (no chain)."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
     if not scheduler.running or len(prev.sequences) < len(scheduler.running):
@@ -102,7 +103,8 @@ def plan_spec_lookahead(
     undo_drafts = None
     if reserve_drafts is not None:
         steps = 1  # (the draft steps run between device steps: one a launch)
-        undo_drafts = reserve_drafts(seq_ids, ends)
+        starts = [prev.sequences[i].num_computed_tokens for i in kept]
+        undo_drafts = reserve_drafts(seq_ids, starts, ends)
         if undo_drafts is None:
             return None
     reserve = steps * q  # KV placeholders a sequence: every draft of every device step survives

@@ -226,9 +226,9 @@ class SpeculativeDecoder:
         return self.verifier.sample(logits, meta, groups, self._draft_probs, argmax)
 
     # ---- engine: chained steps drafted by the draft model -----------------------------------------
-    def reserve_chained_drafts(self, seq_ids, ends):
+    def reserve_chained_drafts(self, seq_ids, starts, ends):
         """Draft-cache room for a chained step (core/spec_lookahead.py); an undo, or None."""
-        return self.chain_drafter.reserve_chained(seq_ids, ends)
+        return self.chain_drafter.reserve_chained(seq_ids, starts, ends)
 
     def resolve_chained_drafts(self, sched: SchedulerOutput, ahead: SchedulerOutput, scheduler) -> None:
         """After step `sched` was applied, with chained step `ahead` launched behind it: the draft
@@ -241,7 +241,7 @@ class SpeculativeDecoder:
         for s in ahead.sequences:
             seq = scheduler.get_sequence(s.seq_id)
             if seq is not None and seq.status is RequestStatus.RUNNING:
-                tokens[s.seq_id] = [*seq.prompt_token_ids, *seq.output_token_ids]
+                tokens[s.seq_id] = (seq.prompt_token_ids, seq.output_token_ids)
         drafter.resolve_chained(tokens)
         for s in sched.sequences:
             if s.seq_id not in tokens:

@@ -241,7 +241,10 @@ class DraftModelProposer:
         lists = drafts.to_host()
         if drafts.start is not None:
             self.device_times_ms.append(drafts.start.elapsed_time(drafts.ready))
-        for seq_id, first in self._placeholders.items():
+        for seq_id, first in list(self._placeholders.items()):
+            if seq_id in self._chained:
+                continue  # chained since: its records follow the accepted tokens (resolve_chained)
+            del self._placeholders[seq_id]
             state = self._seqs.get(seq_id)
             if state is None:
                 continue  # freed meanwhile
@@ -249,7 +252,6 @@ class DraftModelProposer:
             state.cached_ids[first : first + len(fed)] = fed
             self.kv.set_tokens(seq_id, first, fed)
             self.kv.mark_computed([seq_id], [self._computed[seq_id]])
-        self._placeholders.clear()
 
     def free(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None:
@@ -266,9 +268,10 @@ class DraftModelProposer:
     # (the last accepted token or N's bonus token, recomputed: positions before it are valid; then
     # N's new bonus token), then K - 1 steps of one draft each at L .. L + K - 2. Positions up to
     # end + K - 1 are reserved (every draft of N accepted).
-    def reserve_chained(self, seq_ids: Sequence[int], ends: Sequence[int]):
-        """Draft-cache room for a chained step of these sequences; an undo function, or None
-        (no room, or a sequence whose cache is not where a chained step starts: no chain)."""
+    def reserve_chained(self, seq_ids: Sequence[int], starts: Sequence[int], ends: Sequence[int]):
+        """Draft-cache room for a chained step of these sequences, after a step N whose inputs
+        were [starts, ends); an undo function, or None (no room, or a sequence whose cache is
+        not where a chained step starts: no chain)."""
         k = self.num_speculative_tokens
         done: list[tuple[int, int, int | None]] = []  # (seq_id, end, previous first placeholder)
 
@@ -278,9 +281,16 @@ class DraftModelProposer:
                 if first is None:
                     self._placeholders.pop(seq_id, None)
 
-        for seq_id, end in zip(seq_ids, ends, strict=True):
+        for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
             state = self._seqs.get(seq_id)
-            if state is None or len(state.cached_ids) != end - 1 or self._computed[seq_id] != end - 1:
+            # N's drafts were made from this cache: it knew N's first input and holds its inputs
+            # but the last draft (else it is stale, e.g. not drafted for at N)
+            if (
+                state is None
+                or state.num_known != start + 1
+                or len(state.cached_ids) != end - 1
+                or self._computed[seq_id] != end - 1
+            ):
                 undo()
                 return None
             copies = self.kv.append(seq_id, [PLACEHOLDER_TOKEN_ID] * (k + 1))
@@ -293,8 +303,7 @@ class DraftModelProposer:
             self._placeholders.setdefault(seq_id, end - 1)
             self._computed[seq_id] = end + k
         # The ids of drafts fed on the device before now reach the records with the accepted
-        # tokens (`resolve_chained`), not from the proposal's copy.
-        self._unresolved = None
+        # tokens (`resolve_chained`), not from the proposal's copy (`resolve` skips them).
         self._chained.update(seq_ids)
         return undo
 
@@ -386,21 +395,23 @@ class DraftModelProposer:
         steps while the launch before it may still be queued on the device."""
         return 2 * self.num_speculative_tokens
 
-    def resolve_chained(self, tokens_by_seq: dict[int, Sequence[int]]) -> None:
+    def resolve_chained(self, known: dict[int, tuple[Sequence[int], Sequence[int]]]) -> None:
         """The step before a launched chained step was applied: each sequence's known tokens
-        (length L). Positions below L get their ids (the chained step's first draft step
-        recomputes L - 2 and L - 1 with them); the reservation shrinks to the chained step's
-        L + K - 1 positions, its drafts (placeholders) from L on."""
+        (prompt ids, output ids; L in all). Positions below L get their ids (the chained step's
+        first draft step recomputes L - 2 and L - 1 with them); the reservation shrinks to the
+        chained step's L + K - 1 positions, its drafts (placeholders) from L on."""
         k = self.num_speculative_tokens
-        for seq_id, tokens in tokens_by_seq.items():
+        for seq_id, (prompt, output) in known.items():
             state = self._seqs.get(seq_id)
             if state is None or seq_id not in self._chained:
                 continue
-            num_known = len(tokens)
+            num_known = len(prompt) + len(output)
             self._release(seq_id, num_known + k - 1)
-            self._set_ids(seq_id, tokens, num_known)
+            first = min(self._placeholders.get(seq_id, num_known), num_known)
+            self._set_ids(seq_id, first, _span(prompt, output, first, num_known))
             self._placeholders[seq_id] = num_known
             self._computed[seq_id] = num_known + k - 1
+            state.num_known = num_known
         self._harvest_chain_times()
 
     def _end_chains(self, requests: Sequence[DraftRequest]) -> None:
@@ -419,19 +430,18 @@ class DraftModelProposer:
                 continue
             valid = min(len(self._seqs[seq_id].cached_ids), len(tokens) - 1)
             self._release(seq_id, valid)
-            self._set_ids(seq_id, tokens, valid)
-            self._placeholders.pop(seq_id, None)
+            first = min(self._placeholders.pop(seq_id, valid), valid)
+            self._set_ids(seq_id, first, tokens[first:valid])
             self._seqs[seq_id].num_known = valid
         self._chained.clear()
         self._harvest_chain_times()
 
-    def _set_ids(self, seq_id: int, tokens: Sequence[int], upto: int) -> None:
-        """Placeholders before `upto` get the sequence's ids; full blocks before it are hashed."""
-        state = self._seqs[seq_id]
-        first = min(self._placeholders.get(seq_id, upto), upto)
-        if first < upto:
-            real = list(tokens[first:upto])
-            state.cached_ids[first:upto] = real
+    def _set_ids(self, seq_id: int, first: int, real: list[int]) -> None:
+        """Placeholders from `first` on get the sequence's ids `real`; full blocks before their
+        end are hashed."""
+        upto = first + len(real)
+        if real:
+            self._seqs[seq_id].cached_ids[first:upto] = real
             self.kv.set_tokens(seq_id, first, real)
         self.kv.mark_computed([seq_id], [upto])
 
@@ -548,6 +558,14 @@ def _position_row(row: SamplingRow, drafts: list[int]) -> SamplingRow:
     return dataclasses.replace(
         row, output_position=row.output_position + len(drafts), output_token_ids=history
     )
+
+
+def _span(prompt: Sequence[int], output: Sequence[int], start: int, stop: int) -> list[int]:
+    """Tokens [start, stop) of prompt + output, without joining the two."""
+    n = len(prompt)
+    if start >= n:
+        return list(output[start - n : stop - n])
+    return [*prompt[start:stop], *output[: max(stop - n, 0)]]
 
 
 def _common_prefix(cached: list[int], tokens: list[int], start: int) -> int:
