@@ -1,8 +1,10 @@
-"""Host (Python) cost of one speculative (n-gram) decode step vs one plain decode step.
+"""Host (Python) cost of one speculative decode step vs one plain decode step.
 
 Modes (--modes): plain and spec (synchronous steps), plain_async and chained (async scheduling
 forced on; chained: n-gram steps chained on the device, whose accept + propose and input feed run
-here as torch ops and are taken out of the host time: on a GPU each is one kernel launch).
+here as torch ops and are taken out of the host time: on a GPU each is one kernel launch); pair
+and pair_chained: the same with a draft model (a stub like the target's, its forwards taken out
+too), every step synchronous or chained on the device.
 
 The sibling of bench/host_overhead.py for issue 6: the real EngineCore (scheduler, KV manager,
 runner, verifier, n-gram proposer) drives a stub model of negligible cost whose greedy output is
@@ -72,14 +74,40 @@ class PeriodicStub(torch.nn.Module):
         return logits
 
 
+class DraftStub(PeriodicStub):
+    """A draft for the stub: the same cycle with jumps at other positions (some drafts rejected);
+    its time counts as the target stub's (device work on a GPU)."""
+
+    def __init__(self, config: ModelConfig, clock, target: PeriodicStub) -> None:
+        super().__init__(config, clock)
+        self.target = target
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+        t0 = self.clock()
+        jump = ((positions * 40503 >> 9) & JUMP_MASK == 0).long() * 4  # [T]
+        hidden = ((input_ids + 1 + jump) % PERIOD).float()[:, None]
+        self.target.seconds += self.clock() - t0
+        return hidden
+
+    def compute_logits(self, hidden, upcast: bool = True, backend: str | None = None) -> torch.Tensor:
+        t0 = self.clock()
+        logits = torch.zeros(hidden.shape[0], self.config.vocab_size)
+        logits.scatter_(1, hidden.long(), 1.0)
+        self.target.seconds += self.clock() - t0
+        return logits
+
+
 # mode -> (drafts per step, async scheduling, drafts and acceptance on the device, device steps
-# per chained launch)
+# per chained launch, speculative method)
 MODES = {
-    "plain": (0, False, False, 1),
-    "spec": (None, False, False, 1),  # None: --k
-    "plain_async": (0, True, False, 1),
-    "chained": (None, True, True, 1),
-    "chained_multi": (None, True, True, None),  # None: --device-steps
+    "plain": (0, False, False, 1, None),
+    "spec": (None, False, False, 1, "ngram"),  # None: --k
+    "plain_async": (0, True, False, 1, None),
+    "chained": (None, True, True, 1, "ngram"),
+    "chained_multi": (None, True, True, None, "ngram"),  # None: --device-steps
+    # a draft model (DraftStub): every step synchronous (drafts left on the device), or chained
+    "pair": (None, False, False, 1, "draft"),
+    "pair_chained": (None, True, True, 1, "draft"),
 }
 
 
@@ -121,6 +149,7 @@ def build(
     async_scheduling: bool = False,
     device_chain: bool = False,
     device_steps: int = 1,
+    method: str | None = "ngram",
 ):
     mc = ModelConfig(
         architecture="llama",
@@ -136,7 +165,8 @@ def build(
         rope_theta=1e4,
     )
     spec = SpeculativeConfig(
-        method="ngram" if k else None,
+        method=method if k else None,
+        draft_model="stub" if method == "draft" else None,
         num_speculative_tokens=max(k, 1),
         max_batch_size=max(batch, 1),
         device_chain=device_chain,
@@ -155,7 +185,16 @@ def build(
         speculative=spec,
     )
     model = PeriodicStub(mc, clock)
-    return assemble_engine(cfg, model).core, model
+    if spec.method != "draft":
+        return assemble_engine(cfg, model).core, model
+    from pagedinfer.engine import engine_builder
+
+    load = engine_builder.load_draft_model
+    engine_builder.load_draft_model = lambda *args: DraftStub(mc, clock, model)
+    try:
+        return assemble_engine(cfg, model).core, model
+    finally:
+        engine_builder.load_draft_model = load
 
 
 class _Timer:
@@ -189,9 +228,10 @@ def measure(
     async_scheduling: bool = False,
     device_chain: bool = False,
     device_steps: int = 1,
+    method: str | None = "ngram",
 ) -> dict:
     clock = time.thread_time
-    core, model = build(batch, k, clock, async_scheduling, device_chain, device_steps)
+    core, model = build(batch, k, clock, async_scheduling, device_chain, device_steps, method)
     stand_ins = _DeviceStandIns(clock)
     try:
         return _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed)
@@ -281,7 +321,7 @@ def main() -> None:
     for batch in args.batches:
         entry = {}
         for mode in args.modes.split(","):
-            k, async_scheduling, device_chain, device_steps = MODES[mode]
+            k, async_scheduling, device_chain, device_steps, method = MODES[mode]
             k = args.k if k is None else k
             device_steps = args.device_steps if device_steps is None else device_steps
             runs = [
@@ -292,13 +332,20 @@ def main() -> None:
                     async_scheduling=async_scheduling,
                     device_chain=device_chain,
                     device_steps=device_steps,
+                    method=method,
                 )
                 for _ in range(args.repeats)
             ]
             entry[mode] = min(runs, key=lambda r: r["step"])
             line = ", ".join(f"{key} {v:.3f}" for key, v in entry[mode].items())
             print(f"batch {batch:3d} {mode:5s}: {line}")
-        pairs = (("spec", "plain"), ("chained", "plain_async"), ("chained_multi", "plain_async"))
+        pairs = (
+            ("spec", "plain"),
+            ("chained", "plain_async"),
+            ("chained_multi", "plain_async"),
+            ("pair", "plain"),
+            ("pair_chained", "plain_async"),
+        )
         for spec_mode, plain_mode in pairs:
             if spec_mode in entry and plain_mode in entry:
                 ratio = entry[spec_mode]["ms_per_device_step"] / entry[plain_mode]["ms_per_device_step"]
@@ -318,7 +365,7 @@ def main() -> None:
         doc = {
             "unit": "thread CPU ms per engine step (median; stub model excluded)",
             "k": args.k,
-            "method": "ngram",
+            "method": "ngram (spec, chained*); draft stub (pair*)",
             "torch_threads": 1,
             "results": results,
         }
