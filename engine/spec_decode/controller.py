@@ -90,6 +90,10 @@ class SpeculativeDecoder:
     def propose(self, running: Sequence[Request]) -> int:
         """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""
         self._draft_probs.clear()
+        if self.chain_drafter is not None:  # a chain's last step was just applied: settle its records
+            self.chain_drafter.end_chains(
+                {s.seq_id: (s.prompt_token_ids, s.output_token_ids) for s in running}
+            )
         if self.device_drafts is not None:  # placeholders of drafts never verified: gone with them
             rows = self.device_drafts.rows
             for seq in running:

@@ -146,7 +146,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         self.resolve()
-        self._end_chains(requests)
+        self.end_chains({r.seq_id: (r.row.prompt_token_ids, r.row.output_token_ids) for r in requests})
         if self.device_drafts and requests and all(_plain_greedy(r.row.sampling_params) for r in requests):
             return self._propose_on_device(requests)
         num_reqs = len(requests)
@@ -281,12 +281,16 @@ class DraftModelProposer:
                 if first is None:
                     self._placeholders.pop(seq_id, None)
 
+        fed = self._unresolved.rows if self._unresolved is not None else {}
         for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
             state = self._seqs.get(seq_id)
-            # N's drafts were made from this cache: it knew N's first input and holds its inputs
-            # but the last draft (else it is stale, e.g. not drafted for at N)
+            # N's drafts were made from this cache on the device (their ids placeholders, their
+            # blocks unhashed), in a chained step or a device proposal: it knew N's first input
+            # and holds its inputs but the last draft. Drafts the host read were recorded (and
+            # hashed) with their ids: rejected ones would stay in the records.
             if (
                 state is None
+                or (seq_id not in self._chained and seq_id not in fed)
                 or state.num_known != start + 1
                 or len(state.cached_ids) != end - 1
                 or self._computed[seq_id] != end - 1
@@ -414,25 +418,31 @@ class DraftModelProposer:
             state.num_known = num_known
         self._harvest_chain_times()
 
-    def _end_chains(self, requests: Sequence[DraftRequest]) -> None:
-        """Before a proposal from the host: a sequence's records after its last chained step.
-        Valid are its ids before the step's last accepted position + 1 (that one held a rejected
-        draft, or none); the rest is dropped, and the catch-up feeds the sequence from there."""
+    def end_chains(self, known: dict[int, tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Right after a chain's last step was applied (before any other step of its sequences):
+        each sequence's records after it, from its tokens now (prompt ids, output ids). Valid are
+        its ids before the last step's last accepted position + 1 (that one held a rejected
+        draft, or none); the rest is dropped, and the next catch-up feeds the sequence from there.
+        A sequence not in `known` keeps what was known before the last step (positions below its
+        first placeholder)."""
         if not self._chained:
             return
-        tokens_by_seq = {r.seq_id: r.token_ids() for r in requests}
         for seq_id in self._chained:
-            if self._seqs.get(seq_id) is None:
+            state = self._seqs.get(seq_id)
+            if state is None:
                 continue
-            tokens = tokens_by_seq.get(seq_id)
-            if tokens is None:  # not drafting now: keep only what is known to be valid
-                self._release(seq_id, self._placeholders.pop(seq_id, 0))
+            first = self._placeholders.pop(seq_id, 0)
+            tokens = known.get(seq_id)
+            if tokens is None:
+                self._release(seq_id, first)
+                state.num_known = min(state.num_known, first)
                 continue
-            valid = min(len(self._seqs[seq_id].cached_ids), len(tokens) - 1)
+            prompt, output = tokens
+            valid = min(len(state.cached_ids), len(prompt) + len(output) - 1)
             self._release(seq_id, valid)
-            first = min(self._placeholders.pop(seq_id, valid), valid)
-            self._set_ids(seq_id, first, tokens[first:valid])
-            self._seqs[seq_id].num_known = valid
+            first = min(first, valid)
+            self._set_ids(seq_id, first, _span(prompt, output, first, valid))
+            state.num_known = valid
         self._chained.clear()
         self._harvest_chain_times()
 

@@ -39,15 +39,35 @@ def _scaled(llm):
     return llm
 
 
-def _pair(folder, chained: bool, draft_blocks: int = 128, **sched):
+class _Written:
+    """The draft model, noting which (token id, position) each KV slot was last computed from."""
+
+    def __init__(self, model) -> None:
+        self.__dict__.update(model=model, slots={})
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, ids, positions, kv_caches, md):
+        n = int(md.slot_mapping.shape[0])
+        for t, p, slot in zip(
+            ids[:n].tolist(), positions[:n].tolist(), md.slot_mapping[:n].tolist(), strict=True
+        ):
+            self.slots[slot] = (t, p)
+        return self.model(ids, positions, kv_caches, md)
+
+
+def _pair(folder, chained: bool, draft_blocks: int = 128, k: int = K, min_acceptance_rate=0.0, **sched):
     """An engine verifying a 1-layer draft of itself; `chained`: steps chained on the device."""
     llm = _scaled(make_llm(folder, async_scheduling=True, **sched))
-    draft = LayerSubsetDraft(llm.core.runner.model, [0])
-    proposer = attach_draft(llm, draft, k=K, num_blocks=draft_blocks).proposer
+    draft = _Written(LayerSubsetDraft(llm.core.runner.model, [0]))
+    proposer = attach_draft(llm, draft, k=k, num_blocks=draft_blocks).proposer
     chain = None
     if chained:
-        chain = DeviceNgramChain(32, MAX_MODEL_LEN, K, 1, 4, torch.device("cpu"), "reference")
-    config = SpeculativeConfig(method="draft", num_speculative_tokens=K, min_acceptance_rate=0.0)
+        chain = DeviceNgramChain(32, MAX_MODEL_LEN, k, 1, 4, torch.device("cpu"), "reference")
+    config = SpeculativeConfig(
+        method="draft", num_speculative_tokens=k, min_acceptance_rate=min_acceptance_rate
+    )
     spec = SpeculativeDecoder(config, proposer, MAX_MODEL_LEN, device_chain=chain)
     llm.core.spec_decoder = spec
     llm.core.runner.spec_decoder = spec
@@ -154,3 +174,77 @@ def test_span_of_prompt_and_output(start, stop):
 
     prompt, output = [10, 11, 12], [13, 14]
     assert _span(prompt, output, start, stop) == [*prompt, *output][start:stop]
+
+
+def _check_draft_kv(proposer) -> int:
+    """Each draft sequence's records before its first placeholder say what its KV was computed
+    from (the draft model's noted slots); returns the positions checked."""
+    kv, checked = proposer.kv, 0
+    for seq_id, state in proposer._seqs.items():
+        table = kv.block_table(seq_id)
+        known = min(proposer._computed[seq_id], proposer._placeholders.get(seq_id, len(state.cached_ids)))
+        for p in range(known):
+            slot = table[p // kv.block_size] * kv.block_size + p % kv.block_size
+            assert proposer.model.slots.get(slot) == (state.cached_ids[p], p), (seq_id, p)
+        checked += known
+    return checked
+
+
+@pytest.mark.parametrize(
+    ("device_drafts", "min_acceptance_rate", "k"),
+    [
+        (True, 0.0, K),
+        (True, 0.95, 4),  # sequences paused right after a chain: no proposal for many steps
+        (False, 0.0, K),  # drafts the host read (their ids recorded and hashed): no chain from them
+    ],
+)
+def test_draft_records_match_the_written_kv(tiny_llama_dir, plain, device_drafts, min_acceptance_rate, k):
+    llm = _pair(tiny_llama_dir, True, k=k, min_acceptance_rate=min_acceptance_rate)
+    proposer = llm.core.spec_decoder.proposer
+    proposer.device_drafts = device_drafts
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    ps = [[17, 43, 99, 250, 8, 61, 77, 12, 130, 5, 201]]
+    if min_acceptance_rate == 0.0:  # (paused: one sequence, so that none drafts for a while)
+        ps += prompts(2, 3)
+    core, checked = llm.core, 0
+    for i, p in enumerate(ps):
+        core.add_request(f"r{i}", p, params)
+    while core.has_unfinished():
+        core.step()
+        checked += _check_draft_kv(proposer)
+    assert checked > 200
+    assert (core.num_chained_steps > 5) is device_drafts
+    assert_no_leak(llm)
+
+
+def test_a_chain_paused_whole_settles_its_draft_records(tiny_llama_dir):
+    """Every sequence paused right after a chained step (no proposal for several steps, the
+    sequences decode on): the draft records are settled from the tokens right after the chain,
+    not from the later ones (its rejected drafts' KV must not be taken for those tokens)."""
+    llm = _pair(tiny_llama_dir, True, k=4)
+    spec, core = llm.core.spec_decoder, llm.core
+    proposer = spec.proposer
+    pause = {"from": None}
+
+    def paused(seq_id):
+        start = pause["from"]
+        return start is not None and start <= core._step < start + 8
+
+    spec.policy.is_paused = paused
+    should = spec.policy.should_speculate
+    spec.policy.should_speculate = lambda seq_id: not paused(seq_id) and should(seq_id)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts(2, 11)):
+        core.add_request(f"r{i}", p, params)
+    pauses = 0
+    while core.has_unfinished():
+        core.step()
+        _check_draft_kv(proposer)
+        if (
+            core.num_chained_steps >= 3 * (pauses + 1)
+            and pause["from"] is None
+            or (pause["from"] is not None and core._step >= pause["from"] + 12)
+        ):
+            pause["from"], pauses = core._step, pauses + 1
+    assert pauses >= 3
+    assert_no_leak(llm)
