@@ -99,6 +99,8 @@ def plan_spec_lookahead(
         kept.append(i)
     if not seqs or num_live != len(scheduler.running):
         return None  # nothing continues, or a running sequence N does not hold
+    if len(seqs) * q > scheduler.config.max_num_batched_tokens:
+        return None  # over the step's token budget (the input buffers): the synchronous step splits
     seq_ids = [seq.seq_id for seq in seqs]
     undo_drafts = None
     if reserve_drafts is not None:

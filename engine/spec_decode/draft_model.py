@@ -275,11 +275,14 @@ class DraftModelProposer:
         k = self.num_speculative_tokens
         done: list[tuple[int, int, int | None]] = []  # (seq_id, end, previous first placeholder)
 
+        chained_before = set(self._chained)
+
         def undo() -> None:
             for seq_id, end, first in done:
                 self._release(seq_id, end - 1)
                 if first is None:
                     self._placeholders.pop(seq_id, None)
+            self._chained.intersection_update(chained_before)
 
         fed = self._unresolved.rows if self._unresolved is not None else {}
         for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
@@ -431,7 +434,7 @@ class DraftModelProposer:
             state = self._seqs.get(seq_id)
             if state is None:
                 continue
-            first = self._placeholders.pop(seq_id, 0)
+            first = self._placeholders.pop(seq_id, min(state.num_known, len(state.cached_ids)))
             tokens = known.get(seq_id)
             if tokens is None:
                 self._release(seq_id, first)

@@ -75,6 +75,18 @@ def test_mixed_lengths_stops_and_a_queue(tiny_llama_dir, plain, seed, device_ste
     assert_no_leak(llm)
 
 
+def test_a_chain_stays_inside_the_token_budget(tiny_llama_dir, plain):
+    """Four sequences of K + 1 = 4 rows would overflow a 10-token step budget (and the runner's
+    input buffers): such steps are not chained but scheduled within the budget."""
+    ps = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8, [40, 41, 42] * 5, [7, 8] * 6]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = chained(tiny_llama_dir, unpaused(1), max_num_seqs=4, max_num_batched_tokens=10)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert got == [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert llm.core.num_chained_steps > 0  # chained once fewer sequences remain
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("device_steps", [1, 4])
 def test_prefix_cache_sees_the_real_tokens(tiny_llama_dir, plain, device_steps):
     """Blocks computed by chained steps are hashed with the real ids, not the placeholders: a

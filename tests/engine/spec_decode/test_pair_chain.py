@@ -109,7 +109,13 @@ def plain(tiny_llama_dir):
 
 @pytest.mark.parametrize(
     ("seed", "sched"),
-    [(0, {}), (1, {}), (2, {"max_num_seqs": 3}), (3, {"num_blocks": 48, "max_num_seqs": 4})],
+    [
+        (0, {}),
+        (1, {}),
+        (2, {"max_num_seqs": 3}),
+        (3, {"num_blocks": 48, "max_num_seqs": 4}),
+        (4, {"max_num_batched_tokens": 10, "max_num_seqs": 4}),  # 4 chained rows of K + 1 exceed it
+    ],
 )
 def test_chained_pair_matches_plain_and_the_synchronous_pair(tiny_llama_dir, plain, seed, sched):
     ps, params = greedy_workload(random.Random(seed), 6, seed, (3, 30), stop_every=3)
@@ -119,13 +125,13 @@ def test_chained_pair_matches_plain_and_the_synchronous_pair(tiny_llama_dir, pla
     sync_out, sync_checks = _generate(sync, ps, params)
     chained_out, chained_checks = _generate(chained, ps, params)
     assert sync_out == want and chained_out == want
-    assert sync.core.num_chained_steps == 0 and chained.core.num_chained_steps > 10
+    assert sync.core.num_chained_steps == 0 and chained.core.num_chained_steps > 5
     # The chained steps drafted what the synchronous pair drafted: the same acceptance, step by
     # step, with partial acceptance common (a wrong position or context would show).
     assert len(sync_checks) == len(chained_checks)
     compared = sum(_same_drafts(a, b) for a, b in zip(sync_checks, chained_checks, strict=True))
     partial = sum(0 < a < K for checks in sync_checks for _, a in checks)
-    assert compared > 40 and partial > 10, (compared, partial)
+    assert compared > 20 and partial > 10, (compared, partial)
     assert_no_leak(sync)
     assert_no_leak(chained)
 
