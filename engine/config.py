@@ -83,8 +83,9 @@ class SpeculativeConfig:
     max_batch_size: int = 32  # above this many running sequences speculation is skipped for the step
     min_acceptance_rate: float = 0.2  # per sequence, below this its speculation pauses
     # all-greedy batches: accept on the device and plan steps ahead (async scheduling), drafting
-    # there by prompt lookup (n-gram) or with the draft model (draft), spec_decode/device_chain.py;
-    # off: every speculative step is synchronous
+    # there by prompt lookup (n-gram) or with the draft model (draft: a chain starts from a step
+    # whose drafts stayed on the device, see device_drafts), spec_decode/device_chain.py; off:
+    # every speculative step is synchronous
     device_chain: bool = True
     # n-gram: chained verification steps launched back to back per host pass (each feeds the next
     # on the device; the host plans and applies them as one step): the host's per-step work is
