@@ -17,10 +17,11 @@ from tests.kernels.interpreter_run import run_interpreted
 K, BLOCK_SIZE, MAX_LEN, STEPS = 3, 4, 96, 6
 
 
-def simulate(backend: str, seed: int) -> list:
+def simulate(backend: str, seed: int, pair: bool = False) -> list:
     """A chain of STEPS steps over B sequences: step 0 verifies host drafts, later ones the device
     drafts; each step's argmax agrees with a random prefix of its drafts. Records every packed
-    result, the histories and the fed inputs."""
+    result, the histories and the fed inputs. `pair`: the drafts come from elsewhere on the device
+    (a draft model's): the first step's as a tensor, the later ones put in by `with_drafts`."""
     from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain, feed_inputs_torch
 
     rng = random.Random(seed)
@@ -31,6 +32,9 @@ def simulate(backend: str, seed: int) -> list:
     host_drafts = [[rng.randrange(2, 9) for _ in range(rng.randint(0, K))] for _ in range(num_seqs)]
     record, prev, prev_next = [], None, []
     for _ in range(STEPS):
+        if pair and prev is not None:  # the draft model's drafts replace the prompt-lookup ones
+            prev_next = [[rng.randrange(2, 9) for _ in range(K)] for _ in range(num_seqs)]
+            prev = chain.with_drafts(prev, torch.tensor(prev_next))
         drafts = host_drafts if prev is None else prev_next
         counts = [len(d) for d in drafts] if prev is None else [K] * num_seqs
         first_rows, argmax, row = [], [], 0
@@ -39,7 +43,13 @@ def simulate(backend: str, seed: int) -> list:
             agree = rng.randint(0, n)
             argmax += [*d[:agree], *(rng.randrange(2, 9) for _ in range(n + 1 - agree))]
             row += n + 1
-        out = chain.accept(torch.tensor(argmax), first_rows, None if prev else host_drafts, prev)
+        on_device = None
+        if pair and prev is None:  # drafts left on the device (0-padded), their counts from the host
+            on_device = torch.tensor([[*d, *[0] * (K - len(d))] for d in host_drafts])
+            placeholders = [[-1] * len(d) for d in host_drafts]
+            out = chain.accept(torch.tensor(argmax), first_rows, placeholders, None, device_drafts=on_device)
+        else:
+            out = chain.accept(torch.tensor(argmax), first_rows, None if prev else host_drafts, prev)
         packed = out.packed.tolist()
         prev_next = [r[-K:] for r in packed]
         record.append({"packed": packed, "history": chain.history[:num_seqs].tolist()})
@@ -65,7 +75,9 @@ def simulate(backend: str, seed: int) -> list:
 
 
 def main(path: str) -> None:
-    Path(path).write_text(json.dumps({str(seed): simulate("triton", seed) for seed in range(6)}))
+    runs = {str(seed): simulate("triton", seed) for seed in range(6)}
+    runs.update({f"pair{seed}": simulate("triton", seed, pair=True) for seed in range(3)})
+    Path(path).write_text(json.dumps(runs))
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +107,20 @@ def test_triton_chain_matches_the_torch_chain(interpreted, seed):
     # the chain really accepted drafts and rejected some
     assert any(r[2] > 1 for step in want for r in step["packed"])
     assert any(r[0] > r[2] - 1 for step in want for r in step["packed"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_triton_chain_verifies_drafts_made_elsewhere_like_the_torch_chain(interpreted, seed):
+    """A draft model's drafts (a chain's first step reading them on the device, later steps fed
+    them by `with_drafts`): the Triton kernels accept them as the torch path does."""
+    want = simulate("reference", seed, pair=True)
+    assert interpreted[f"pair{seed}"] == want
+    for step in want:
+        triton_fed, torch_fed = step["fed"]
+        assert triton_fed == torch_fed
+    # every chained step verified all K drafts, and some were accepted
+    assert all(r[1] == K for step in want[1:] for r in step["packed"])
+    assert any(r[2] > 1 for step in want for r in step["packed"])
 
 
 if __name__ == "__main__":
