@@ -90,7 +90,7 @@ class SpeculativeDecoder:
     def propose(self, running: Sequence[Request]) -> int:
         """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""
         self._draft_probs.clear()
-        if self.chain_drafter is not None:  # a chain's last step was just applied: settle its records
+        if self.chain_drafter is not None and self.chain_drafter.has_chains:  # a chain just ended
             self.chain_drafter.end_chains(
                 {s.seq_id: (s.prompt_token_ids, s.output_token_ids) for s in running}
             )

@@ -146,7 +146,8 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         self.resolve()
-        self.end_chains({r.seq_id: (r.row.prompt_token_ids, r.row.output_token_ids) for r in requests})
+        if self._chained:
+            self.end_chains({r.seq_id: (r.row.prompt_token_ids, r.row.output_token_ids) for r in requests})
         if self.device_drafts and requests and all(_plain_greedy(r.row.sampling_params) for r in requests):
             return self._propose_on_device(requests)
         num_reqs = len(requests)
@@ -420,6 +421,11 @@ class DraftModelProposer:
             self._computed[seq_id] = num_known + k - 1
             state.num_known = num_known
         self._harvest_chain_times()
+
+    @property
+    def has_chains(self) -> bool:
+        """Whether some sequence's records still follow a chain (`end_chains` settles them)."""
+        return bool(self._chained)
 
     def end_chains(self, known: dict[int, tuple[Sequence[int], Sequence[int]]]) -> None:
         """Right after a chain's last step was applied (before any other step of its sequences):
