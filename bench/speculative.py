@@ -317,6 +317,12 @@ def _parse_args() -> argparse.Namespace:
         "planned ahead (off: synchronous steps)",
     )
     parser.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="plan steps ahead (auto: as the engine does, on CUDA; chained speculative steps need it)",
+    )
+    parser.add_argument(
         "--device-drafts",
         choices=("on", "off"),
         default="on",
@@ -377,6 +383,7 @@ def _machine(args) -> dict:
         "device_chain": args.device_chain,
         "device_chain_steps": args.device_chain_steps,
         "device_drafts": args.device_drafts,
+        "async_scheduling": args.async_scheduling,
     }
 
 

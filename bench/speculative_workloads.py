@@ -105,7 +105,13 @@ def _engine_config(args, model: str, dtype: str, spec: SpeculativeConfig) -> Eng
         # No prefix caching: every run here repeats the previous run's prompts, and cached prompt
         # blocks would make the later run's prefills (the refilled batch's admissions) cheaper.
         cache=CacheConfig(block_size=16, num_blocks=args.num_blocks, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=16),
+        scheduler=SchedulerConfig(
+            max_model_len=args.max_model_len,
+            max_num_seqs=16,
+            # (auto: the engine's default, on with CUDA; on: also on the CPU, for a check of the
+            # chained paths there)
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        ),
         device=DeviceConfig(device=args.device, dtype=dtype),
         speculative=spec,
     )
