@@ -253,5 +253,10 @@ def feed_inputs_torch(
     pos = start[:, None] + torch.arange(q, dtype=torch.int64, device=start.device)  # [B, q]
     positions[:num_tokens].view(num_seqs, q).copy_(pos)
     seq_lens[:num_seqs].copy_(start + q)
-    blocks = block_tables[:num_seqs].gather(1, pos // block_size)  # [B, q]
-    slot_mapping[:num_tokens].view(num_seqs, q).copy_(blocks.to(torch.int64) * block_size + pos % block_size)
+    slot_mapping[:num_tokens].view(num_seqs, q).copy_(slots_at(block_tables[:num_seqs], pos, block_size))
+
+
+def slots_at(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, q] int64 KV slots of positions [B, q] through block tables [B, M], on the device."""
+    blocks = block_tables.gather(1, positions // block_size).to(torch.int64)
+    return blocks * block_size + positions % block_size

@@ -27,6 +27,7 @@ from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID
 from pagedinfer.engine.core.scheduler_output import SamplingRow
 from pagedinfer.engine.sample.metadata import build_sampling_metadata
 from pagedinfer.engine.sample.sampler import Sampler
+from pagedinfer.engine.spec_decode.device_chain import slots_at
 from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftProposals, DraftRequest
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets, graph_keys
@@ -145,9 +146,7 @@ class DraftModelProposer:
     # ---- Proposer -------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
-        self.resolve()
-        if self._chained:
-            self.end_chains({r.seq_id: (r.row.prompt_token_ids, r.row.output_token_ids) for r in requests})
+        self.resolve()  # (a chain's records are settled before any proposal: `end_chains`)
         if self.device_drafts and requests and all(_plain_greedy(r.row.sampling_params) for r in requests):
             return self._propose_on_device(requests)
         num_reqs = len(requests)
@@ -358,9 +357,8 @@ class DraftModelProposer:
             pos = batch.pos[: num_seqs * q].view(num_seqs, q)
             pos.sub_(shift[:, None])
             seq_lens.sub_(shift.to(seq_lens.dtype))
-            block_size = self.kv.block_size
-            blocks = batch.block_tables[:num_seqs].gather(1, pos // block_size).to(torch.int64)
-            batch.slots[: num_seqs * q].view(num_seqs, q).copy_(blocks * block_size + pos % block_size)
+            slots = slots_at(batch.block_tables[:num_seqs], pos, self.kv.block_size)
+            batch.slots[: num_seqs * q].view(num_seqs, q).copy_(slots)
             ids = batch.ids[: num_seqs * q].view(num_seqs, q)
             if step == 0:  # the token at L - 2 (recomputed) and the new bonus token at L - 1
                 ids.copy_(history[rows[:, None], pos].to(torch.int64))
