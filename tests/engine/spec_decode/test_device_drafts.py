@@ -14,7 +14,9 @@ from pagedinfer.engine.spec_decode.draft_model import DraftModelProposer
 from tests.engine.spec_decode.test_spec_engine import (
     assert_no_leak,
     attach_draft,
+    follow_up_reuse,
     greedy_workload,
+    kv_record,
     make_llm,
     prompts,
 )
@@ -95,9 +97,7 @@ def test_the_draft_cache_records_the_fed_drafts(tiny_llama_dir):
             state = proposer._seqs.get(seq_id)
             if state is None:
                 continue
-            kv = proposer.kv
-            record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
-            assert record[: kv.num_tokens(seq_id)] == state.cached_ids
+            assert kv_record(proposer.kv, seq_id) == state.cached_ids
             assert state.cached_ids[first:] == lists[seq_id][: len(state.cached_ids) - first]
             checked += 1
     assert checked > 5
@@ -125,14 +125,9 @@ def test_prefix_cache_hashes_the_verified_drafts(tiny_llama_dir, plain_outputs):
     first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     assert spec.stats.num_accepted_tokens > 20
     short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for follow in (prompt + first.token_ids, prompt + [0] * len(first.token_ids)):
-        got = llm.generate(prompt_token_ids=[follow], sampling_params=short)[0]
-        assert got.token_ids == plain_outputs([follow], short)[0]
-        reused_output = got.usage.cached_prompt_tokens - len(prompt)  # block_size 4, prompt 8
-        if follow[-1]:
-            assert reused_output >= len(first.token_ids) - 8, got.usage
-        else:
-            assert reused_output <= 0, got.usage
+    real, placeholder = follow_up_reuse(llm, plain_outputs, prompt, first.token_ids, short)
+    assert real - len(prompt) >= len(first.token_ids) - 8  # block_size 4, prompt 8
+    assert placeholder - len(prompt) <= 0
     assert_no_leak(llm)
 
 

@@ -21,6 +21,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     assert_no_leak,
     attach_draft,
     greedy_workload,
+    kv_record,
     make_llm,
     prompts,
 )
@@ -153,8 +154,7 @@ def test_draft_records_hold_the_real_tokens_while_chained(tiny_llama_dir):
             seq = core.scheduler.get_sequence(seq_id)
             if seq is None:
                 continue
-            record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
-            assert record[: kv.num_tokens(seq_id)] == state.cached_ids
+            assert kv_record(kv, seq_id) == state.cached_ids
             known = proposer._placeholders.get(seq_id, len(state.cached_ids))
             tokens = [*seq.prompt_token_ids, *seq.output_token_ids]
             assert state.cached_ids[:known] == tokens[:known]

@@ -93,6 +93,24 @@ def assert_no_leak(llm: LLM) -> None:
         assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
 
 
+def kv_record(kv: KVCacheManager, seq_id: int) -> list[int]:
+    """The token ids a KV cache manager records for a sequence, read block by block."""
+    record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
+    return record[: kv.num_tokens(seq_id)]
+
+
+def follow_up_reuse(llm: LLM, plain, prompt: list[int], output: list[int], params) -> list[int]:
+    """Prompt-cache reuse after a generation: `prompt` + `output` (its real ids), then `prompt` +
+    as many 0s (the ids a placeholder would leave); each decodes like `plain(ps, params)` (token
+    ids per prompt). Returns their cached prompt tokens, in that order."""
+    cached = []
+    for follow in (prompt + output, prompt + [0] * len(output)):
+        got = llm.generate(prompt_token_ids=[follow], sampling_params=params)[0]
+        assert got.token_ids == plain([follow], params)[0]
+        cached.append(got.usage.cached_prompt_tokens)
+    return cached
+
+
 @pytest.fixture(scope="module")
 def baseline_llm(tiny_llama_dir):
     return make_llm(tiny_llama_dir)
