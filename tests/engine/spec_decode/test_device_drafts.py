@@ -19,6 +19,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     kv_record,
     make_llm,
     prompts,
+    step_through,
 )
 
 
@@ -81,12 +82,8 @@ def test_the_draft_cache_records_the_fed_drafts(tiny_llama_dir):
     spec = attach_draft(llm, _first_layers(llm.core.runner.model, 1), k=3)
     proposer: DraftModelProposer = spec.proposer
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    core = llm.core
-    for i, p in enumerate(prompts(3, 5)):
-        core.add_request(f"r{i}", p, params)
     checked = 0
-    while core.has_unfinished():
-        core.step()
+    for _ in step_through(llm.core, prompts(3, 5), params):
         drafts = spec.device_drafts
         if drafts is None:
             continue

@@ -24,6 +24,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     kv_record,
     make_llm,
     prompts,
+    step_through,
 )
 
 K = 3
@@ -143,12 +144,8 @@ def test_draft_records_hold_the_real_tokens_while_chained(tiny_llama_dir):
     llm = _pair(tiny_llama_dir, True)
     proposer = llm.core.spec_decoder.proposer
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    core = llm.core
-    for i, p in enumerate(prompts(3, 7)):
-        core.add_request(f"r{i}", p, params)
-    checked = 0
-    while core.has_unfinished():
-        core.step()
+    core, checked = llm.core, 0
+    for _ in step_through(core, prompts(3, 7), params):
         kv = proposer.kv
         for seq_id, state in proposer._seqs.items():
             seq = core.scheduler.get_sequence(seq_id)
@@ -213,10 +210,7 @@ def test_draft_records_match_the_written_kv(tiny_llama_dir, plain, device_drafts
     if min_acceptance_rate == 0.0:  # (paused: one sequence, so that none drafts for a while)
         ps += prompts(2, 3)
     core, checked = llm.core, 0
-    for i, p in enumerate(ps):
-        core.add_request(f"r{i}", p, params)
-    while core.has_unfinished():
-        core.step()
+    for _ in step_through(core, ps, params):
         checked += _check_draft_kv(proposer)
     assert checked > 200
     assert (core.num_chained_steps > 5) is device_drafts
@@ -240,11 +234,8 @@ def test_a_chain_paused_whole_settles_its_draft_records(tiny_llama_dir):
     should = spec.policy.should_speculate
     spec.policy.should_speculate = lambda seq_id: not paused(seq_id) and should(seq_id)
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts(2, 11)):
-        core.add_request(f"r{i}", p, params)
     pauses = 0
-    while core.has_unfinished():
-        core.step()
+    for _ in step_through(core, prompts(2, 11), params):
         _check_draft_kv(proposer)
         if (
             core.num_chained_steps >= 3 * (pauses + 1)

@@ -93,6 +93,16 @@ def assert_no_leak(llm: LLM) -> None:
         assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
 
 
+def step_through(core, ps: list[list[int]], params: SamplingParams):
+    """Add the prompts as requests r0, r1, ... and step the engine core until all are done,
+    yielding after every step (for checks between steps)."""
+    for i, p in enumerate(ps):
+        core.add_request(f"r{i}", p, params)
+    while core.has_unfinished():
+        core.step()
+        yield
+
+
 def kv_record(kv: KVCacheManager, seq_id: int) -> list[int]:
     """The token ids a KV cache manager records for a sequence, read block by block."""
     record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
