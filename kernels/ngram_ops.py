@@ -95,6 +95,7 @@ def accept_and_propose(
     backend: str | None = None,
     context_window: int = 0,
     max_ties: int = 32,
+    search: bool = True,
 ) -> AcceptProposeOutput:
     """Greedy acceptance of step N's drafts, then step N + 1's n-gram drafts, on the device.
 
@@ -106,6 +107,8 @@ def accept_and_propose(
     engine.spec_decode.ngram.find_ngram_draft(context_window=0) on the updated history.
     Returns AcceptProposeOutput(num_emitted [B] int64, emitted [B, K + 1] int64 0-padded,
     next_drafts [B, num_next] int64, has_match [B] bool). No host synchronization.
+    search False: acceptance only, no match looked for (next drafts: the last emitted token), for a
+    chain whose next drafts come from a draft model.
     """
     check_accept_and_propose(
         argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next
@@ -116,8 +119,8 @@ def accept_and_propose(
     if select_backend(argmax.device, backend) == "triton":
         from pagedinfer.kernels import ngram_propose
 
-        return ngram_propose.accept_and_propose(*args, context_window, max_ties)
-    return ngram_reference.accept_and_propose(*args, context_window, max_ties)
+        return ngram_propose.accept_and_propose(*args, context_window, max_ties, search=search)
+    return ngram_reference.accept_and_propose(*args, context_window, max_ties, search=search)
 
 
 def launch_packed(*args, **kwargs) -> torch.Tensor:

@@ -87,6 +87,7 @@ def _accept_propose_kernel(
     NEXT: tl.constexpr,  # power of two >= N
     BLOCK: tl.constexpr,
     DENSE_ROWS: tl.constexpr,  # every group has K + 1 rows (a chained step): first row b (K + 1)
+    SEARCH: tl.constexpr,  # False: acceptance only (drafts made elsewhere; next drafts = filler)
 ):
     seq = tl.program_id(0).to(tl.int64)
     out_row = out_ptr + seq * stride_out
@@ -124,31 +125,33 @@ def _accept_propose_kernel(
     # then the latest. All NGRAM_MAX loads of a tile are independent (masked by bounds only), so
     # they issue together; the run of equal tokens is cut afterwards.
     last = new_len - 1
-    lanes = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], -1, tl.int64)
-    for start in range(0, last, BLOCK):
-        ends = start + lanes
-        match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
-        key = tl.where(match_len >= ngram_min, match_len.to(tl.int64) * hist_cap + ends, -1)
-        best = tl.maximum(best, key)
-    best_key = tl.max(best, axis=0)
-    if CTX > 0:  # rank equally long matches by their context, as the host proposer does
-        best_key = _rank_ties(
-            hist_row,
-            emit_row,
-            old_len,
-            new_len,
-            emit_max,
-            last,
-            best_key,
-            hist_cap,
-            ngram_min,
-            window,
-            max_ties,
-            NGRAM_MAX,
-            BLOCK,
-            CTX,
-        )
+    best_key = tl.full([], -1, tl.int64)
+    if SEARCH:
+        lanes = tl.arange(0, BLOCK)
+        best = tl.full([BLOCK], -1, tl.int64)
+        for start in range(0, last, BLOCK):
+            ends = start + lanes
+            match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
+            key = tl.where(match_len >= ngram_min, match_len.to(tl.int64) * hist_cap + ends, -1)
+            best = tl.maximum(best, key)
+        best_key = tl.max(best, axis=0)
+        if CTX > 0:  # rank equally long matches by their context, as the host proposer does
+            best_key = _rank_ties(
+                hist_row,
+                emit_row,
+                old_len,
+                new_len,
+                emit_max,
+                last,
+                best_key,
+                hist_cap,
+                ngram_min,
+                window,
+                max_ties,
+                NGRAM_MAX,
+                BLOCK,
+                CTX,
+            )
 
     # Next drafts: what followed the match, periodic with period n - 1 - j; no match: the last
     # emitted token repeated.
@@ -249,6 +252,7 @@ def accept_and_propose(
     context_window: int = 0,
     max_ties: int = 32,
     block: int = BLOCK,
+    search: bool = True,
 ) -> AcceptProposeOutput:
     """Shapes and dtypes as ngram_reference.accept_and_propose (checked by ngram_ops); `block`
     (a power of two) sets the candidate ends per tile. Views of one packed output."""
@@ -267,6 +271,7 @@ def accept_and_propose(
         block,
         context_window=context_window,
         max_ties=max_ties,
+        search=search,
     )
     return unpack(packed, max_drafts)
 
@@ -297,6 +302,7 @@ def launch_packed(
     out: torch.Tensor | None = None,
     context_window: int = 0,
     max_ties: int = 32,
+    search: bool = True,
 ) -> torch.Tensor:
     """The kernel with every output in one [B, PACKED_FIXED + K + 1 + num_next] int64 tensor
     (columns COL_*, then emitted, then next drafts): one host copy a step, no packing ops.
@@ -336,6 +342,7 @@ def launch_packed(
         NEXT=triton.next_power_of_2(num_next),
         BLOCK=block,
         DENSE_ROWS=dense,
+        SEARCH=search,
         num_warps=NUM_WARPS,
     )
     return out

@@ -45,19 +45,27 @@ def accept_and_propose(
     num_next: int,
     context_window: int = 0,
     max_ties: int = 32,
+    search: bool = True,
 ) -> AcceptProposeOutput:
     """argmax [R] int64, first_rows [B] int64, drafts [B, K] int64, num_drafts [B] int64,
     history [B, L] int32 and history_len [B] int32 (both updated in place). See the module doc.
     context_window > 0: equally long matches are ranked as find_ngram_draft ranks them (of the
-    latest `max_ties`, the most context overlap, then the latest)."""
+    latest `max_ties`, the most context overlap, then the latest). search False: acceptance only
+    (no match: the next drafts are the filler), for drafts made elsewhere."""
     num_accepted, target = _accept(argmax, first_rows, drafts, num_drafts)
     steps = torch.arange(target.shape[1], device=target.device)  # [K + 1]
     emitted = torch.where(steps <= num_accepted[:, None], target, 0)  # [B, K + 1]
     new_len = _append(history, history_len, target, num_accepted)  # [B]
     fill = target.gather(1, num_accepted[:, None])  # [B, 1] the last emitted token
-    next_drafts, has_match = _propose(
-        history, new_len, ngram_min, ngram_max, num_next, fill, context_window, max_ties
-    )
+    if search:
+        next_drafts, has_match = _propose(
+            history, new_len, ngram_min, ngram_max, num_next, fill, context_window, max_ties
+        )
+    else:
+        next_drafts, has_match = (
+            fill.expand(-1, num_next).clone(),
+            torch.zeros_like(num_accepted, dtype=torch.bool),
+        )
     history_len.copy_(new_len)
     return AcceptProposeOutput(num_accepted + 1, emitted, next_drafts, has_match)
 

@@ -75,8 +75,12 @@ class DeviceNgramChain:
         ngram_max: int,
         device: torch.device,
         backend: str | None = None,
+        search: bool = True,
     ) -> None:
         self.max_seqs = max_seqs
+        # False (a draft model's chain): the accept kernel skips the prompt lookup, whose drafts
+        # `with_drafts` would replace anyway.
+        self.search = search
         self.k = num_speculative_tokens
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.device = device
@@ -119,7 +123,8 @@ class DeviceNgramChain:
         num_seqs, k = len(first_rows), self.k
         history, history_len = self.history[:num_seqs], self.history_len[:num_seqs]
         ngram = (self.ngram_min, self.ngram_max, k)
-        rank = {"context_window": CONTEXT_WINDOW, "max_ties": MAX_RANKED_TIES}  # as the host proposer
+        # ranked as the host proposer ranks
+        rank = {"context_window": CONTEXT_WINDOW, "max_ties": MAX_RANKED_TIES, "search": self.search}
         if fed is not None:  # its next drafts, verified where they came from a match
             next_col = PACKED_FIXED + fed.k_step + 1
             drafts_dev, has_match = fed.packed[:, next_col:], fed.packed[:, COL_HAS_MATCH]
@@ -131,7 +136,7 @@ class DeviceNgramChain:
                 rows = torch.arange(num_seqs, device=argmax.device) * (k + 1)
                 slots = torch.full((num_seqs,), k, dtype=torch.int64, device=argmax.device)
                 packed = _reference_packed(
-                    argmax, rows, drafts_dev, has_match * k, slots, history, history_len, ngram
+                    argmax, rows, drafts_dev, has_match * k, slots, history, history_len, ngram, self.search
                 )
         else:
             size = num_seqs * (2 + k)
@@ -154,7 +159,7 @@ class DeviceNgramChain:
                 )
             else:
                 packed = _reference_packed(
-                    argmax, rows, drafts_dev, counts, counts, history, history_len, ngram
+                    argmax, rows, drafts_dev, counts, counts, history, history_len, ngram, self.search
                 )
         step = ChainStep(packed, k, packed, None)
         if copy:
@@ -217,11 +222,20 @@ class DeviceNgramChain:
 
 
 def _reference_packed(
-    argmax, rows, drafts, num_drafts, num_slots, history, history_len, ngram
+    argmax, rows, drafts, num_drafts, num_slots, history, history_len, ngram, search
 ) -> torch.Tensor:
     """The torch path's result in the Triton kernel's packed layout."""
     out = ngram_reference.accept_and_propose(
-        argmax, rows, drafts, num_drafts, history, history_len, *ngram, CONTEXT_WINDOW, MAX_RANKED_TIES
+        argmax,
+        rows,
+        drafts,
+        num_drafts,
+        history,
+        history_len,
+        *ngram,
+        CONTEXT_WINDOW,
+        MAX_RANKED_TIES,
+        search,
     )
     return torch.cat(
         [

@@ -93,6 +93,7 @@ def build_speculative_decoder(
             config.ngram_max,
             torch.device(target_model.device),
             attention_backend,
+            search=config.method == "ngram",
         )
     return SpeculativeDecoder(config, proposer, max_model_len, device_chain=chain)
 

@@ -131,8 +131,11 @@ def make_inputs(case: Case) -> Inputs:
     )
 
 
-def oracle(inputs: Inputs, ngram_min: int, ngram_max: int, num_next: int) -> dict[str, list]:
-    """Per sequence in Python: greedy acceptance, append, find_ngram_draft(context_window=0)."""
+def oracle(
+    inputs: Inputs, ngram_min: int, ngram_max: int, num_next: int, search: bool = True
+) -> dict[str, list]:
+    """Per sequence in Python: greedy acceptance, append, find_ngram_draft(context_window=0)
+    (search False: no lookup, the next drafts are the last emitted token)."""
     argmax = inputs.argmax.tolist()
     out: dict[str, list] = {k: [] for k in ("num_emitted", "emitted", "next_drafts", "has_match", "history")}
     for b in range(inputs.drafts.shape[0]):
@@ -143,6 +146,8 @@ def oracle(inputs: Inputs, ngram_min: int, ngram_max: int, num_next: int) -> dic
         emitted = argmax[first : first + a + 1]
         tokens = inputs.history[b, : int(inputs.history_len[b])].tolist() + emitted
         draft = find_ngram_draft(np.array(tokens, dtype=np.int32), ngram_min, ngram_max, num_next, 0)
+        if not search:
+            draft = draft[:0]
         out["num_emitted"].append(a + 1)
         out["emitted"].append(emitted + [0] * (inputs.drafts.shape[1] + 1 - len(emitted)))
         out["next_drafts"].append(draft.tolist() if draft.size else [emitted[-1]] * num_next)
@@ -163,11 +168,11 @@ def as_lists(result, inputs: Inputs) -> dict[str, list]:
     }
 
 
-def run_reference(case: Case) -> tuple[dict[str, list], Inputs]:
+def run_reference(case: Case, search: bool = True) -> tuple[dict[str, list], Inputs]:
     inputs = make_inputs(case)
     updated = inputs.clone()
     result = ngram_ops.accept_and_propose(
-        *updated.tensors(), case.ngram_min, case.ngram_max, case.num_next, backend="reference"
+        *updated.tensors(), case.ngram_min, case.ngram_max, case.num_next, backend="reference", search=search
     )
     assert result.num_emitted.dtype == torch.int64 and result.emitted.dtype == torch.int64
     assert result.next_drafts.dtype == torch.int64 and result.has_match.dtype == torch.bool
@@ -210,6 +215,18 @@ def test_reference_full_width_matches_oracle(case, monkeypatch):
     monkeypatch.setattr(ngram_reference, "_search_width", lambda tokens, last: tokens.shape[1])
     got, inputs = run_reference(case)
     assert got == oracle(inputs, case.ngram_min, case.ngram_max, case.num_next)
+
+
+@pytest.mark.parametrize("case", RANDOM_CASES[:8], ids=[c.name for c in RANDOM_CASES[:8]])
+def test_reference_without_search_accepts_only(case):
+    """search=False (a draft model's chain): the same acceptance and history, no lookup."""
+    expect, inputs = run_reference(case, search=False)
+    assert expect == oracle(inputs, case.ngram_min, case.ngram_max, case.num_next, search=False)
+    searched, _ = run_reference(case)
+    assert any(searched["has_match"])  # the cases do hold matches: skipping them is visible
+    assert {k: v for k, v in expect.items() if k not in ("next_drafts", "has_match")} == {
+        k: v for k, v in searched.items() if k not in ("next_drafts", "has_match")
+    }
 
 
 def test_random_cases_cover_the_rule():
@@ -408,6 +425,11 @@ def _run_triton_cases(path: str) -> None:
         else:
             out = ngram_ops.accept_and_propose(*args, backend="triton")
         results[case.name] = as_lists(out, inputs)
+    for case in INTERPRETER_CASES[:2]:  # acceptance only (SEARCH off)
+        inputs = make_inputs(case)
+        args = (*inputs.tensors(), case.ngram_min, case.ngram_max, case.num_next)
+        out = ngram_propose.accept_and_propose(*args, block=case.block, search=False)
+        results[case.name + "_no_search"] = as_lists(out, inputs)
     tiny = functools.partial(ngram_propose.accept_and_propose, block=4)  # several tiles
     results["rules"] = [_one(*rule[:4], run=tiny) for rule in RULE_CASES]
     results["overflow"] = _overflow(tiny)
@@ -428,6 +450,12 @@ def test_triton_interpreter_matches_reference(triton_results, case):
     assert triton_results[case.name] == expect
 
 
+@pytest.mark.parametrize("case", INTERPRETER_CASES[:2], ids=[c.name for c in INTERPRETER_CASES[:2]])
+def test_triton_interpreter_without_search_matches_reference(triton_results, case):
+    expect, _ = run_reference(case, search=False)
+    assert triton_results[case.name + "_no_search"] == expect
+
+
 def test_triton_interpreter_rule_by_hand(triton_results):
     assert triton_results["rules"] == [rule[4] for rule in RULE_CASES]
     assert triton_results["overflow"] == OVERFLOW_EXPECT
@@ -436,16 +464,18 @@ def test_triton_interpreter_rule_by_hand(triton_results):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-@pytest.mark.parametrize("hist_cap,ngram", [(8192, (1, 4)), (32768, (2, 8))])
-def test_gpu_matches_cpu_reference_without_sync(backend, hist_cap, ngram):
+@pytest.mark.parametrize(
+    "hist_cap,ngram,search", [(8192, (1, 4), True), (32768, (2, 8), True), (8192, (1, 4), False)]
+)
+def test_gpu_matches_cpu_reference_without_sync(backend, hist_cap, ngram, search):
     case = _C("gpu", 11, 256, hist_cap, 8, *ngram, 8)
-    expect, inputs = run_reference(case)
+    expect, inputs = run_reference(case, search)
     warm, cuda = inputs.clone("cuda"), inputs.clone("cuda")
-    ngram_ops.accept_and_propose(*warm.tensors(), *ngram, 8, backend=backend)  # compiles
+    ngram_ops.accept_and_propose(*warm.tensors(), *ngram, 8, backend=backend, search=search)  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # a host synchronization raises
     try:
-        out = ngram_ops.accept_and_propose(*cuda.tensors(), *ngram, 8, backend=backend)
+        out = ngram_ops.accept_and_propose(*cuda.tensors(), *ngram, 8, backend=backend, search=search)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert as_lists(out, cuda) == expect

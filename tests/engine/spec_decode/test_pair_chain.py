@@ -66,7 +66,7 @@ def _pair(folder, chained: bool, draft_blocks: int = 128, k: int = K, min_accept
     proposer = attach_draft(llm, draft, k=k, num_blocks=draft_blocks).proposer
     chain = None
     if chained:
-        chain = DeviceNgramChain(32, MAX_MODEL_LEN, k, 1, 4, torch.device("cpu"), "reference")
+        chain = DeviceNgramChain(32, MAX_MODEL_LEN, k, 1, 4, torch.device("cpu"), "reference", search=False)
     config = SpeculativeConfig(
         method="draft", num_speculative_tokens=k, min_acceptance_rate=min_acceptance_rate
     )
