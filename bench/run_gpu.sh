@@ -113,9 +113,11 @@ probe profile_spec "$PY" -P bench/profile_spec.py --out "$OUTDIR" --model "${SPE
 step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR" --hf-requests 32 --concurrency 1 8 128 256
 # speculative decoding: (a) n-gram on SmolLM2 (SPEC_MODEL=<.gguf>, else the builtin; skipped with a
 # message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
-# (SPEC_WORKLOADS=ngram or pair runs one of them, e.g. the pair in a call without the GGUF)
+# (SPEC_WORKLOADS=ngram or pair runs one of them, e.g. the pair in a call without the GGUF;
+# SPEC_BENCH_ARGS="--rounds 3" reports each row's median round)
+# shellcheck disable=SC2086  # SPEC_BENCH_ARGS splits into words
 step bench_speculative "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR" --workloads "${SPEC_WORKLOADS:-ngram,pair}" \
-  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 ${SPEC_BENCH_ARGS:-}
 # the n-gram rows again with every speculative step synchronous (no device chain), for comparison
 probe spec_ngram_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_sync" --workloads ngram \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 \
