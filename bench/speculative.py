@@ -42,6 +42,7 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     full_batch_speedup,
     full_batch_tokens_per_seq_step,
     full_steps,
+    mean_request_ms_per_token,
     phase_medians,
     plot,
     prefix_fraction,
@@ -159,6 +160,7 @@ def measure(
     c = (per_step_s / k) / (base_step_ms / 1e3)
     theory = theoretical_speedup(alpha, k, c)
     base_ms, fast_ms = decode_ms_per_token(base), decode_ms_per_token(fast)
+    base_req_ms, fast_req_ms = mean_request_ms_per_token(base), mean_request_ms_per_token(fast)
     measured = base_ms / fast_ms
     steady = full_batch_speedup(base, fast, len(prompts))
     same = [prefix_fraction(a, b) for a, b in zip(base.token_ids, fast.token_ids, strict=True)]
@@ -207,6 +209,12 @@ def measure(
         "theoretical_speedup": round(theory, 3),
         "measured_speedup": round(measured, 3),
         "measured_over_theoretical": round(measured / theory, 3),
+        # per request (TPOT, averaged over the requests): a request that finished early is not
+        # charged for the steps of those still running, as it is in the whole-run figure above
+        "base_request_ms_per_token": round(base_req_ms, 3),
+        "spec_request_ms_per_token": round(fast_req_ms, 3),
+        "request_speedup": round(base_req_ms / fast_req_ms, 3),
+        "request_over_theoretical": round(base_req_ms / fast_req_ms / theory, 3),
         # the same over the steps with all B sequences running: what a continuously refilled batch
         # of B sees; the whole-run figure above also pays for the tail, where sequences that drew
         # fewer accepted drafts finish alone at a smaller batch

@@ -56,6 +56,18 @@ def decode_ms_per_token(run) -> float:
     return decode_ms / max(tokens_per_seq, 1e-9)
 
 
+def mean_request_ms_per_token(run) -> float:
+    """Each request's decode time (the decode steps until the one it ended in) over its decoded
+    tokens, averaged over the requests: the per-request time per output token (TPOT) that a
+    client sees. Unlike `decode_ms_per_token` (the whole batch's decode time) it does not charge
+    a request that finished early for the steps of the ones still running."""
+    per_request = []
+    for ids, end in zip(run.token_ids, run.finish_step, strict=True):
+        ms = sum(s["ms"] for s in run.steps[: end + 1] if s["pure_decode"])
+        per_request.append(ms / max(len(ids) - 1, 1))
+    return sum(per_request) / max(len(per_request), 1)
+
+
 def prefix_fraction(a: list[int], b: list[int]) -> float:
     """Tokens before the first difference over the longer length (1.0: identical)."""
     n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -149,7 +161,7 @@ def summary(results: dict) -> str:
     lines = [f"speculative decoding on {results['machine']['device']} (greedy)"]
     lines.append(
         f"{'workload':9} {'B':>2} {'K':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>15} {'alpha':>6} "
-        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same"
+        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'req.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same"
     )
     for name, workload in results["workloads"].items():
         if "skipped" in workload:
@@ -159,7 +171,8 @@ def summary(results: dict) -> str:
                 f"{name:9} {r['batch']:>2} {r['k']:>2} {r['base_tok_s']:>10} {r['spec_tok_s']:>10} "
                 f"{r['base_ms_per_token']:>7}->{r['spec_ms_per_token']:<7} {r['alpha']:>6} {r['c']:>6} "
                 f"{r['theoretical_speedup']:>6} {r['measured_speedup']:>6} "
-                f"{r['measured_over_theoretical']:>6} {r.get('measured_speedup_full_batch')!s:>6} "
+                f"{r['measured_over_theoretical']:>6} {r.get('request_speedup', '-')!s:>6} "
+                f"{r.get('request_over_theoretical', '-')!s:>6} {r.get('measured_speedup_full_batch')!s:>6} "
                 f"{r.get('full_batch_over_theoretical')!s:>6} "
                 f"{r.get('refilled_speedup', '-')!s:>6} {r.get('refilled_over_theoretical', '-')!s:>6} "
                 f"{r.get('full_batch_steps', '-')!s:>3}/{r.get('all_steps', '-')!s:<3} "

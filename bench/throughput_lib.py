@@ -22,6 +22,7 @@ class EngineRun:
     token_ids: list[list[int]] = field(default_factory=list)
     gpu_idle_s: float = 0.0
     gpu_busy_s: float = 0.0
+    finish_step: list[int] = field(default_factory=list)  # per request: index of the step it ended
 
     @property
     def output_tok_s(self) -> float:
@@ -47,6 +48,7 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
     """Submit every prompt at once and step the engine until all finish; per-step timing."""
     ids = [f"bench-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {r: [] for r in ids}
+    finish_step: dict[str, int] = {}
     runner = core.runner
     idle0, busy0 = getattr(runner, "gpu_idle_s_total", 0.0), getattr(runner, "gpu_busy_s_total", 0.0)
     runner._prev_end = None  # no idle time across runs
@@ -68,6 +70,8 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
         for out in core.step():
             for d in out.deltas:
                 tokens[out.request_id].extend(d.token_ids)
+            if out.finished:
+                finish_step[out.request_id] = len(steps)
         ms = (time.perf_counter() - t0) * 1e3
         phases = getattr(core, "last_step_phases", None)
         step = {"ms": ms, "batch": batch, "kv_tokens": kv_tokens, "pure_decode": pure}
@@ -84,6 +88,7 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
         token_ids=[tokens[r] for r in ids],
         gpu_idle_s=getattr(runner, "gpu_idle_s_total", 0.0) - idle0,
         gpu_busy_s=getattr(runner, "gpu_busy_s_total", 0.0) - busy0,
+        finish_step=[finish_step.get(r, len(steps) - 1) for r in ids],
     )
 
 

@@ -30,4 +30,19 @@ def test_pair_smoke_rows_match_plain_decoding(tmp_path, chain):
         assert r["identical_outputs"], r
         assert r["verifying_sequence_steps"] > 0 and r["accepted_tokens"] > 0
         assert (r["chained_steps"] > 0) is (chain == "on"), r
+        assert r["request_speedup"] > 0 and r["base_request_ms_per_token"] > 0, r
     assert (tmp_path / "speculative.png").exists()
+
+
+def test_request_ms_per_token_charges_each_request_its_own_steps():
+    """Per-request TPOT: a request that ended at step 1 is not charged for steps 2-3 (the
+    whole-batch figure is); the prefill step (not pure decode) counts for neither."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculative_report import decode_ms_per_token, mean_request_ms_per_token
+    from throughput_lib import EngineRun
+
+    steps = [{"ms": 5.0, "pure_decode": False}] + [{"ms": 1.0, "pure_decode": True}] * 3
+    run = EngineRun(1.0, 2, 6, 4, steps, token_ids=[[1, 2], [1, 2, 3, 4]], finish_step=[1, 3])
+    # request 0: 1 ms over 1 decoded token; request 1: 3 ms over 3 -> 1.0 each
+    assert mean_request_ms_per_token(run) == pytest.approx(1.0)
+    assert decode_ms_per_token(run) == pytest.approx(3.0 / 2.0)  # 3 ms over (6 - 2) / 2 tokens a request
