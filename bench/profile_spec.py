@@ -11,7 +11,6 @@ step as one plain step; the difference of the two tables is what it does not cou
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import replace
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import set_speculation  # noqa: E402  (bench/ is not a package)
+from speculative import build_parser, set_speculation  # noqa: E402  (bench/ is not a package)
 from speculative_workloads import pair_workload, smollm2_workload  # noqa: E402
 from throughput_lib import run_engine_requests  # noqa: E402
 
@@ -39,6 +38,53 @@ def kernel_table(prof, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def device_busy_us(prof) -> tuple[float, float]:
+    """(union of the device's kernel and copy intervals, first start to last end), in us: the
+    difference is time the GPU sat idle, waiting for the host."""
+    spans = sorted(
+        (ev.time_range.start, ev.time_range.end)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not spans:
+        return 0.0, 0.0
+    busy, cur_start, cur_end = 0.0, *spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, max(e for _, e in spans) - spans[0][0]
+
+
+CATEGORIES = (  # kernel name fragment -> what it does in a step (first match wins)
+    ("gemv", "linear (GEMV)"),
+    ("nvjet", "linear (cuBLAS)"),
+    ("gemm", "linear (cuBLAS)"),
+    ("extend", "attention"),
+    ("_decode_kernel", "attention"),
+    ("_reduce_kernel", "attention"),
+    ("rms_norm", "norm"),
+    ("silu", "elementwise"),
+    ("rotary", "elementwise"),
+    ("ngram", "accept / drafts"),
+    ("accept", "accept / drafts"),
+    ("feed", "accept / drafts"),
+    ("ArgMax", "argmax / sampling"),
+    ("Memcpy", "copies"),
+)
+
+
+def by_category(table: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in table:
+        cat = next((c for frag, c in CATEGORIES if frag in row["name"]), "other")
+        out[cat] = round(out.get(cat, 0.0) + row["us_per_step"], 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def profiled_run(core, prompts, params) -> dict:
     activities = [
         torch.profiler.ProfilerActivity.CUDA
@@ -51,7 +97,14 @@ def profiled_run(core, prompts, params) -> dict:
             torch.cuda.synchronize()
     steps = [s for s in run.steps if s["pure_decode"]]
     table = kernel_table(prof, max(1, len(run.steps)))
+    busy, span = device_busy_us(prof) if torch.cuda.is_available() else (0.0, 0.0)
+    n = max(1, len(run.steps))
     return {
+        "device_busy_us_per_step": round(busy / n, 1),
+        "device_span_us_per_step": round(span / n, 1),
+        "device_idle_us_per_step": round((span - busy) / n, 1),
+        "ms_per_token": round(run.seconds * 1e3 / max(1, sum(len(t) for t in run.token_ids) / len(prompts)), 3),
+        "by_category_us_per_step": by_category(table),
         "steps": len(run.steps),
         "decode_steps": len(steps),
         "tokens": sum(len(t) for t in run.token_ids),
@@ -63,22 +116,14 @@ def profiled_run(core, prompts, params) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--model", default="builtin://smollm2-135m")
-    ap.add_argument("--workloads", default="ngram,pair")
+    ap = build_parser(__doc__)  # the workloads' options, as bench/speculative.py takes them
+    ap.set_defaults(out=None, device="cuda", max_tokens=128, batches="1", ks="4")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--smoke", action="store_true", help="pair at toy size (CPU check of the code)")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file's name (several runs, one folder)")
     args = ap.parse_args()
-    # what the workload builders read (bench/speculative.py's defaults)
-    args.num_blocks, args.min_acceptance_rate, args.draft = 512, None, "self:layers=0-9,20-29"
-    args.max_model_len = 1024
-    args.draft_layers, args.target_agreement, args.prompt_len = 2, 0.8, 128
-    args.batches = str(args.batch)
+    args.out = Path(args.out or "bench/results")
+    args.batches, args.ks = str(args.batch), str(args.k)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {}
     for name in args.workloads.split(","):
@@ -96,14 +141,16 @@ def main() -> None:
             print(
                 f"\n== {name} {mode} B={args.batch} K={args.k}: {r['steps']} steps, {r['tokens']} tokens, "
                 f"median step {r['median_step_ms']} ms, kernels {r['kernel_us_per_step']:.0f} us/step, "
-                f"{r['kernels_per_step']:.0f} launches/step"
+                f"{r['kernels_per_step']:.0f} launches/step, device busy {r['device_busy_us_per_step']:.0f} / "
+                f"idle {r['device_idle_us_per_step']:.0f} us/step, {r['ms_per_token']} ms/token"
             )
+            print("   by category (us/step):", r["by_category_us_per_step"])
             for row in r["top"][:25]:
                 print(f"{row['us_per_step']:9.1f} us {row['calls_per_step']:7.1f}x  {row['name']}")
         del w
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    (args.out / "profile_spec.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"profile_spec{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -291,9 +291,10 @@ def run_workload(
     return rows
 
 
-def _parse_args() -> argparse.Namespace:
+def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The options of the workloads (bench/profile_spec.py adds its own to the same parser)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--device", default="cpu")
@@ -358,6 +359,11 @@ def _parse_args() -> argparse.Namespace:
         default=SpeculativeConfig.device_chain_steps,
         help="n-gram, device chain: verification steps launched back to back per host pass",
     )
+    return parser
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args()
     if args.refill == 1:
         parser.error("--refill must be 0 (off) or >= 2: with B prompts the batch is never refilled")
