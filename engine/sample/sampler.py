@@ -15,6 +15,7 @@ import torch
 from pagedinfer.engine.sample.metadata import SamplingMetadata
 from pagedinfer.engine.sample.penalties import apply_penalties, ban_tokens
 from pagedinfer.engine.sample.rng import hash_uniform
+from pagedinfer.kernels.argmax import argmax_rows
 
 _TINY = 1e-30
 
@@ -83,7 +84,7 @@ class Sampler:
 
     def draw(self, processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Tokens [N] from processed logits [N, V]: argmax for greedy rows, a race otherwise."""
-        greedy_ids = processed.argmax(dim=-1)  # [N]
+        greedy_ids = argmax_rows(processed)  # [N]
         if meta.all_greedy:
             return greedy_ids
         probs = processed.softmax(dim=-1)  # [N, V]
@@ -97,7 +98,7 @@ class Sampler:
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of logits [N, V]; logprobs are the model's raw ones."""
         if is_plain_greedy(meta):  # argmax straight on the GEMM output: no [N, V] copies
-            token_ids = logits.argmax(dim=-1)  # [N]
+            token_ids = argmax_rows(logits)  # [N]
         else:
             token_ids = self.draw(self.process(logits, meta), meta)
         if meta.max_num_logprobs < 0:

@@ -33,6 +33,7 @@ from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch
 from pagedinfer.kernels import ops
+from pagedinfer.kernels.argmax import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class DraftModelProposer:
             seq_ids = [requests[b].seq_id for b in active]
             num_new = [len(self._seqs[s].cached_ids) - self._computed[s] for s in seq_ids]
             logits = self._forward(seq_ids, num_new, fed=prev if step > 0 else None)  # [A, V]
-            prev = logits.argmax(dim=-1)  # [A]
+            prev = argmax_rows(logits, self.backend)  # [A]
             if len(active) == num_reqs:
                 tokens[:, step] = prev
             else:
@@ -369,8 +370,9 @@ class DraftModelProposer:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
             md = inputs.attn_metadata
-            logits = self.model.compute_logits(hidden[md.logits_indices], backend=self.backend)
-            prev = _fit_vocab(logits, self.vocab_size).argmax(dim=-1)  # [B]
+            # only the argmax is read: the GEMM's dtype gives the same one as an fp32 copy
+            logits = self.model.compute_logits(hidden[md.logits_indices], upcast=False, backend=self.backend)
+            prev = argmax_rows(_fit_vocab(logits, self.vocab_size), self.backend)  # [B]
             drafts[:, step] = prev
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)

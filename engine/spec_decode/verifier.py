@@ -33,6 +33,7 @@ from pagedinfer.engine.sample.rejection_sampler import (
 )
 from pagedinfer.engine.sample.sampler import Sampler, is_plain_greedy
 from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
+from pagedinfer.kernels.argmax import argmax_rows
 
 # Up to this many groups an all-greedy step decides acceptance in Python lists: ~1 us a group
 # against ~25 us of numpy calls (plus the group arrays) on the CPU machine.
@@ -52,7 +53,7 @@ class SpecVerifier:
             return None
         # Penalties or bans edit the logits first; otherwise the raw argmax is the token.
         processed = logits if is_plain_greedy(meta) else self.sampler.process(logits, meta)  # [N, V]
-        return processed.argmax(dim=-1)
+        return argmax_rows(processed)
 
     def sample(
         self,

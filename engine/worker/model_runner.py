@@ -32,6 +32,7 @@ from pagedinfer.engine.spec_decode.device_chain import ChainStep, HostChainStep
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch, StepInputs
 from pagedinfer.kernels import ops
+from pagedinfer.kernels.argmax import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ class ModelRunner:
         logits = self.model.compute_logits(
             hidden[logits_indices], upcast=False, backend=self.config.attention_backend
         )
-        return logits, logits.argmax(dim=-1)
+        return logits, argmax_rows(logits, self.config.attention_backend)
 
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """On CUDA a non-blocking copy into pinned memory, ordered before the step's end event:
