@@ -103,7 +103,9 @@ def profiled_run(core, prompts, params) -> dict:
         "device_busy_us_per_step": round(busy / n, 1),
         "device_span_us_per_step": round(span / n, 1),
         "device_idle_us_per_step": round((span - busy) / n, 1),
-        "ms_per_token": round(run.seconds * 1e3 / max(1, sum(len(t) for t in run.token_ids) / len(prompts)), 3),
+        "ms_per_token": round(
+            run.seconds * 1e3 / max(1, sum(len(t) for t in run.token_ids) / len(prompts)), 3
+        ),
         "by_category_us_per_step": by_category(table),
         "steps": len(run.steps),
         "decode_steps": len(steps),
