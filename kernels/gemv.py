@@ -174,9 +174,22 @@ def gemv(
     return y
 
 
-def config_for(num_rows: int, n: int, k: int) -> GemvConfig:
-    """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes; 17-64
-    rows, used only when PAGEDINFER_GEMV_MAX_ROWS raises the engine's limit, take the 2-16 tiles)."""
+# 17-64 rows (a batch-8 verification: 8 x (K + 1)), from the H200 sweep of 2026-12-04 12:20
+# (NOTES.md "17-64 rows"): the dot kernel beats torch's GEMM on the lm_head (252-260 vs 264-277 us),
+# o (12.3-13.2 vs 13.7-14.3) and, from 33 rows (64-row tiles), down (33.2-33.6 vs 33.7-34.8);
+# torch wins qkv and gate_up (by 1-3 us) and down at 17-32 rows (32.8 vs 38.0).
+VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=128, block_k=128, num_warps=4, num_stages=4)
+
+
+def config_for(num_rows: int, n: int, k: int) -> GemvConfig | None:
+    """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes), or
+    None where torch's GEMM measured faster (some shapes at 17-64 rows)."""
+    if num_rows > 16:
+        if n > 32768:
+            return VOCAB_DOT_CONFIG
+        if k > 8192:
+            return DOT_CONFIG if num_rows > 32 else None
+        return DOT_CONFIG if n <= 4096 else None
     if num_rows > 1:  # the tensor-core variant reads the weights once for all rows
         if k > 8192:  # 64 x 512 x tiles at 3 stages would exceed the H200's shared memory
             return LONG_K_DOT_CONFIG if num_rows <= 16 else DOT_CONFIG

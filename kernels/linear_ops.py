@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # PAGEDINFER_GEMV=0 keeps torch's GEMM for every shape (an escape hatch, and the A/B switch of
-# the benchmarks); PAGEDINFER_GEMV_MAX_ROWS moves the row count up to which the kernel is used.
+# the benchmarks); PAGEDINFER_GEMV_MAX_ROWS moves the row count up to which the kernel may be used
+# (past 16 rows only for the shapes gemv.config_for names; 16 restores torch there for all).
 GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
-GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "16")), 64)  # 64: gemv.MAX_ROWS
+GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "64")), 64)  # 64: gemv.MAX_ROWS
 # PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch).
 NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
 
@@ -58,6 +59,8 @@ def linear(
     from pagedinfer.kernels import gemv
 
     config = gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1])
+    if config is None:
+        return F.linear(x, weight, bias)
     # A tile that does not fit this GPU: the variant's small default tile, then torch's GEMM.
     fallback = gemv.DOT_CONFIG if config.variant == "dot" else gemv.DEFAULT_CONFIG
     for candidate in dict.fromkeys((config, fallback)):
