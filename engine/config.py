@@ -84,7 +84,8 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.2  # per sequence, below this its speculation pauses
     # all-greedy batches: accept on the device and plan steps ahead (async scheduling), drafting
     # there by prompt lookup (n-gram) or with the draft model (draft: a chain starts from a step
-    # whose drafts stayed on the device, see device_drafts), spec_decode/device_chain.py; off:
+    # whose drafts stayed on the device, see device_drafts, and goes on from a step admitting a
+    # prompt), spec_decode/device_chain.py; off:
     # every speculative step is synchronous
     device_chain: bool = True
     # n-gram: chained verification steps launched back to back per host pass (each feeds the next

@@ -45,14 +45,16 @@ def plan_spec_lookahead(
     prev: SchedulerOutput,
     k: int,
     max_device_steps: int = 1,
-    reserve_drafts: Callable[[list[int], list[int], list[int]], Callable[[], None] | None] | None = None,
+    reserve_drafts: Callable[..., Callable[[], None] | None] | None = None,
 ) -> SchedulerOutput | None:
     """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
     steps of K drafts a sequence, each fed by the one before.
 
-    `reserve_drafts(seq_ids, starts, ends)` (where N's inputs start and end): a draft model
-    drafts the step at launch (one device step); it reserves its own cache for the step and
-    returns an undo, or None (no chain)."""
+    `reserve_drafts(seq_ids, starts, ends, known)` (where N's inputs start and end; `known`: per
+    sequence, its tokens [0, end) where N verified no drafts of it, all real (a prompt admitted at
+    N, a sequence that drafted nothing), else None): a draft model drafts the step at launch (one
+    device step); it reserves its own cache for the step (catching up the sequences with known
+    tokens first) and returns an undo, or None (no chain)."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
     if not scheduler.running or len(prev.sequences) < len(scheduler.running):
@@ -106,7 +108,10 @@ def plan_spec_lookahead(
     if reserve_drafts is not None:
         steps = 1  # (the draft steps run between device steps: one a launch)
         starts = [prev.sequences[i].num_computed_tokens for i in kept]
-        undo_drafts = reserve_drafts(seq_ids, starts, ends)
+        known = [
+            _known_tokens(seq, prev.sequences[i], end) for seq, i, end in zip(seqs, kept, ends, strict=True)
+        ]
+        undo_drafts = reserve_drafts(seq_ids, starts, ends, known)
         if undo_drafts is None:
             return None
     reserve = steps * q  # KV placeholders a sequence: every draft of every device step survives
@@ -194,6 +199,15 @@ def record_device_inputs(scheduler: Scheduler, sched: SchedulerOutput, result: M
         if seq is None or seq.status is not running or not tokens:
             continue
         scheduler.kv.set_tokens(s.seq_id, s.num_computed_tokens, [s.token_ids[0], *tokens[:-1]])
+
+
+def _known_tokens(seq, s: ScheduledSequence, end: int) -> list[int] | None:
+    """A sequence's tokens [0, end) when its step N verified no drafts (N's inputs are then all
+    real tokens the host has: a prompt, a recomputation, one decode token), else None."""
+    if s.num_spec_tokens or s.num_computed_tokens + len(s.token_ids) != end:
+        return None
+    tokens = [*seq.prompt_token_ids, *seq.output_token_ids]
+    return tokens if len(tokens) == end else None
 
 
 def _may_admit(scheduler: Scheduler, k: int) -> bool:

@@ -230,9 +230,13 @@ class SpeculativeDecoder:
         return self.verifier.sample(logits, meta, groups, self._draft_probs, argmax)
 
     # ---- engine: chained steps drafted by the draft model -----------------------------------------
-    def reserve_chained_drafts(self, seq_ids, starts, ends):
-        """Draft-cache room for a chained step (core/spec_lookahead.py); an undo, or None."""
-        return self.chain_drafter.reserve_chained(seq_ids, starts, ends)
+    def reserve_chained_drafts(self, seq_ids, starts, ends, known=None):
+        """Draft-cache room for a chained step (core/spec_lookahead.py); an undo, or None. The
+        sequences a step admitted (`known` tokens) join a chain only where drafts stay on the
+        device: with device_drafts off, no chain starts at all (drafts the host read would leave
+        their ids in the draft cache's records)."""
+        drafter = self.chain_drafter
+        return drafter.reserve_chained(seq_ids, starts, ends, known if drafter.device_drafts else None)
 
     def resolve_chained_drafts(self, sched: SchedulerOutput, ahead: SchedulerOutput, scheduler) -> None:
         """After step `sched` was applied, with chained step `ahead` launched behind it: the draft

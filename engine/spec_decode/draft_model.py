@@ -269,11 +269,22 @@ class DraftModelProposer:
     # (the last accepted token or N's bonus token, recomputed: positions before it are valid; then
     # N's new bonus token), then K - 1 steps of one draft each at L .. L + K - 2. Positions up to
     # end + K - 1 are reserved (every draft of N accepted).
-    def reserve_chained(self, seq_ids: Sequence[int], starts: Sequence[int], ends: Sequence[int]):
+    def reserve_chained(
+        self,
+        seq_ids: Sequence[int],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        known: Sequence[Sequence[int] | None] | None = None,
+    ):
         """Draft-cache room for a chained step of these sequences, after a step N whose inputs
         were [starts, ends); an undo function, or None (no room, or a sequence whose cache is
-        not where a chained step starts: no chain)."""
+        not where a chained step starts: no chain).
+
+        `known[i]`: sequence i's tokens [0, end) where N verified no drafts of it (a prompt
+        admitted at N): its cache is caught up to them first (`_prefill_for_chain`), so an
+        admission does not end the chain for a synchronous proposal."""
         k = self.num_speculative_tokens
+        ready = self._prefill_for_chain(seq_ids, known) if known else set()
         done: list[tuple[int, int, int | None]] = []  # (seq_id, end, previous first placeholder)
 
         chained_before = set(self._chained)
@@ -292,10 +303,10 @@ class DraftModelProposer:
             # blocks unhashed), in a chained step or a device proposal: it knew N's first input
             # and holds its inputs but the last draft. Drafts the host read were recorded (and
             # hashed) with their ids: rejected ones would stay in the records.
+            drafted_on_device = seq_id in self._chained or seq_id in fed
             if (
                 state is None
-                or (seq_id not in self._chained and seq_id not in fed)
-                or state.num_known != start + 1
+                or (seq_id not in ready and (not drafted_on_device or state.num_known != start + 1))
                 or len(state.cached_ids) != end - 1
                 or self._computed[seq_id] != end - 1
             ):
@@ -314,6 +325,45 @@ class DraftModelProposer:
         # tokens (`resolve_chained`), not from the proposal's copy (`resolve` skips them).
         self._chained.update(seq_ids)
         return undo
+
+    def _prefill_for_chain(self, seq_ids: Sequence[int], known: Sequence[Sequence[int] | None]) -> set[int]:
+        """Bring the caches of the sequences with known tokens [0, end) to all of them but the
+        last, computed (where a chained step's first draft step starts: it recomputes end - 1
+        with the bonus token). One eager forward for all; the sequences now ready. A cache with
+        device drafts in its records (placeholders) is left alone: its sequence gets no chain."""
+        fed = self._unresolved.rows if self._unresolved is not None else {}
+        ready: set[int] = set()
+        run_ids: list[int] = []
+        run_new: list[int] = []
+        for seq_id, tokens in zip(seq_ids, known, strict=True):
+            if tokens is None or len(tokens) < 2:
+                continue
+            if seq_id in self._chained or seq_id in fed or seq_id in self._placeholders:
+                continue
+            target = list(tokens[:-1])
+            state = self._seqs.get(seq_id)
+            if state is None:
+                num_cached = self.kv.allocate(seq_id, target)  # (prefix-cache hits are computed)
+                if num_cached is None:
+                    continue
+                state = self._seqs[seq_id] = _DraftSeq(target, len(tokens))
+                self._computed[seq_id] = num_cached
+            else:
+                keep = _common_prefix(state.cached_ids, target, start=min(state.num_known, len(target)))
+                if keep < len(state.cached_ids):
+                    self._copy_blocks(self.kv.truncate(seq_id, keep))
+                    del state.cached_ids[keep:]
+                self._computed[seq_id] = min(self._computed[seq_id], keep)
+                if not self._append(seq_id, target[keep:]):
+                    continue  # the draft cache is full (the sequence was freed from it)
+                state.num_known = len(tokens)
+            if self._computed[seq_id] < len(target):
+                run_ids.append(seq_id)
+                run_new.append(len(target) - self._computed[seq_id])
+            ready.add(seq_id)
+        if run_ids:
+            self._forward(run_ids, run_new)
+        return ready
 
     def _release(self, seq_id: int, keep: int) -> None:
         """Drop a sequence's draft records and reservation from position `keep` on."""

@@ -245,3 +245,55 @@ def test_a_chain_paused_whole_settles_its_draft_records(tiny_llama_dir):
             pause["from"], pauses = core._step, pauses + 1
     assert pauses >= 3
     assert_no_leak(llm)
+
+
+def _trace_admissions(core) -> list[tuple[bool, bool]]:
+    """Per launched step, filled as the engine runs: (it admits a prompt, it is chained)."""
+    log: list[tuple[bool, bool]] = []
+    launch = core.runner.launch_forward
+
+    def traced(sched, *args, **kwargs):
+        admits = any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.sequences)
+        log.append((admits, sched.feeds_drafts))
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch_forward = traced
+    return log
+
+
+@pytest.mark.parametrize(
+    ("seed", "sched"),
+    [
+        (5, {"max_num_seqs": 3}),
+        (6, {"max_num_seqs": 2}),
+        (7, {"max_num_seqs": 3, "num_blocks": 40}),  # tight: some admissions wait for blocks
+    ],
+)
+def test_an_admitted_prompt_joins_the_chain_at_once(tiny_llama_dir, plain, seed, sched):
+    """A queue refills the batch as sequences end: the step that admits a prompt decides on the
+    device, and the next one is chained with the new sequence in it (its draft cache prefilled
+    when the chain is planned), instead of a synchronous proposal first. Same tokens as plain
+    greedy; draft records equal the written KV after every step; nothing leaks."""
+    ps, params = greedy_workload(random.Random(seed), 9, seed, (8, 30), stop_every=3)
+    want = plain(ps, params)
+    llm = _pair(tiny_llama_dir, True, **sched)
+    core, proposer = llm.core, llm.core.spec_decoder.proposer
+    log = _trace_admissions(core)
+    ids = [f"q{i}" for i in range(len(ps))]
+    for rid, p, sp in zip(ids, ps, params, strict=True):
+        core.add_request(rid, p, sp)
+    outs: dict[str, list[int]] = {rid: [] for rid in ids}
+    checked = 0
+    while core.has_unfinished():
+        for out in core.step():
+            for d in out.deltas:
+                outs[out.request_id].extend(d.token_ids)
+        checked += _check_draft_kv(proposer)
+    assert [outs[rid] for rid in ids] == want
+    admissions = [i for i, (admits, _) in enumerate(log[:-1]) if admits and i > 0]
+    joined = sum(1 for i in admissions if log[i + 1][1])
+    # (before: no admission was followed by a chained step; an admission after which the batch
+    # runs out of work, or the blocks for a reservation, is not)
+    assert len(admissions) >= 3 and joined >= len(admissions) - 1, (joined, admissions, log)
+    assert checked > 200
+    assert_no_leak(llm)
