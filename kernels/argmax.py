@@ -14,9 +14,14 @@ as torch's does. CPU tensors run torch.argmax unless backend="triton" (TRITON_IN
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedinfer.kernels.ops import select_backend, triton_available
+
+# PAGEDINFER_ARGMAX_KERNEL=0 keeps torch.argmax everywhere (the A/B switch of the benchmarks).
+ARGMAX_KERNEL_ENABLED = os.environ.get("PAGEDINFER_ARGMAX_KERNEL", "1") != "0"
 
 if triton_available():
     import triton
@@ -47,7 +52,12 @@ def argmax_rows(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """[N] int64 argmax of each row of a 2-dim float tensor whose last dim is contiguous."""
     if x.dim() != 2:
         raise ValueError(f"argmax_rows takes [N, V] logits, got shape {tuple(x.shape)}")
-    if select_backend(x.device, backend) != "triton" or x.shape[0] == 0 or x.shape[1] == 0:
+    use_kernel = (  # (fp64 would lose its ties to the kernel's fp32 compare: torch keeps it)
+        ARGMAX_KERNEL_ENABLED
+        and select_backend(x.device, backend) == "triton"
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    )
+    if not use_kernel or x.shape[0] == 0 or x.shape[1] == 0:
         return x.argmax(dim=-1)
     if x.stride(1) != 1:
         x = x.contiguous()
