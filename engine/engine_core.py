@@ -172,6 +172,11 @@ class EngineCore:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish the request now (its blocks are freed); returns its final output, if any."""
         aborted = self.scheduler.abort_request(request_id)
+        if aborted and self.spec_decoder is not None and self._inflight is None:
+            # No launched step reads their draft cache: its blocks go back now (a chain's
+            # draft state is otherwise freed by the step after, which a failed launch never ran).
+            for seq in aborted:
+                self.spec_decoder.free(seq.seq_id)
         return self.outputs.process([], aborted) if aborted else []
 
     def has_unfinished(self) -> bool:

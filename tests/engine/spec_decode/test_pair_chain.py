@@ -297,3 +297,53 @@ def test_an_admitted_prompt_joins_the_chain_at_once(tiny_llama_dir, plain, seed,
     assert len(admissions) >= 3 and joined >= len(admissions) - 1, (joined, admissions, log)
     assert checked > 200
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("when", [3, 6, 9])
+def test_aborting_every_request_mid_chain_frees_the_draft_cache(tiny_llama_dir, when):
+    """Requests aborted while a chained step is in flight: once the engine is idle, both KV
+    managers hold nothing (not only after some later request's proposal)."""
+    llm = _pair(tiny_llama_dir, True)
+    core = llm.core
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = [f"a{i}" for i in range(4)]
+    for rid, p in zip(ids, prompts(4, 9), strict=False):
+        core.add_request(rid, p, params)
+    for _ in range(when):
+        core.step()
+    assert core.num_chained_steps > 0
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("fail_at", [2, 4, 7])
+def test_a_failed_chained_launch_leaves_no_draft_blocks_held(tiny_llama_dir, fail_at):
+    """A chained step's launch fails (after its draft reservation): step() raises, the caller
+    aborts every request; once idle, the draft cache holds nothing either."""
+    llm = _pair(tiny_llama_dir, True)
+    core = llm.core
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = [f"f{i}" for i in range(3)]
+    for rid, p in zip(ids, prompts(3, 4), strict=False):
+        core.add_request(rid, p, params)
+    launch, calls = core.runner.launch_forward, []
+
+    def failing(sched, *args, **kwargs):
+        if sched.feeds_drafts:
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("injected launch failure")
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch_forward = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(100):
+            core.step()
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    assert_no_leak(llm)
