@@ -282,10 +282,15 @@ def run_workload(
                 pool = w.prompts(refill * batch)
                 plain_loop = refilled(core, pool, batch, greedy, False)
                 before = replace(core.spec_decoder.stats)
+                steps0, chained0 = core._step, core.num_chained_steps
                 fast_loop = refilled(core, pool, batch, greedy, True)
                 alpha = alpha_since(before, core.spec_decoder.stats, k)
                 theory = theoretical_speedup(alpha, k, row["c"])
                 row.update(refilled_row(plain_loop, fast_loop, alpha, theory))
+                # host passes of the whole refilled run, and its device steps chained on the
+                # device (an admission that ends a chain shows here)
+                row["refilled_host_steps"] = core._step - steps0
+                row["refilled_chained_steps"] = core.num_chained_steps - chained0
             rows.append(row)
             print(w.name, json.dumps(row), flush=True)
     return rows
