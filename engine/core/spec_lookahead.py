@@ -46,6 +46,7 @@ def plan_spec_lookahead(
     k: int,
     max_device_steps: int = 1,
     reserve_drafts: Callable[..., Callable[[], None] | None] | None = None,
+    may_chain: Callable[[list], bool] | None = None,
 ) -> SchedulerOutput | None:
     """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
     steps of K drafts a sequence, each fed by the one before.
@@ -54,13 +55,19 @@ def plan_spec_lookahead(
     sequence, its tokens [0, end) where N verified no drafts of it, all real (a prompt admitted at
     N, a sequence that drafted nothing), else None): a draft model drafts the step at launch (one
     device step); it reserves its own cache for the step (catching up the sequences with known
-    tokens first) and returns an undo, or None (no chain)."""
+    tokens first) and returns an undo, or None (no chain).
+
+    Waiting requests the synchronous step would admit are admitted into the chained step behind
+    its chained rows (prefill chunks with real inputs; one device step), where they may ride
+    (`may_join`, and `may_chain(running)` after them: the chain's capacity and policy); else the
+    chain ends, and the synchronous step admits them."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
     if not scheduler.running or len(prev.sequences) < len(scheduler.running):
         return None  # (nothing runs any more: N's sequences all stopped)
-    if _may_preempt(scheduler) or _may_admit(scheduler, k):
+    if _may_preempt(scheduler):
         return None
+    admitting = _may_admit(scheduler, k)  # into the step, behind the chained rows (one device step)
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
     max_len = scheduler.max_model_len
@@ -103,6 +110,8 @@ def plan_spec_lookahead(
         return None  # nothing continues, or a running sequence N does not hold
     if len(seqs) * q > scheduler.config.max_num_batched_tokens:
         return None  # over the step's token budget (the input buffers): the synchronous step splits
+    if admitting:
+        steps = 1  # (the admitted prompts' rows are in the first device step only)
     seq_ids = [seq.seq_id for seq in seqs]
     undo_drafts = None
     if reserve_drafts is not None:
@@ -114,13 +123,26 @@ def plan_spec_lookahead(
         undo_drafts = reserve_drafts(seq_ids, starts, ends, known)
         if undo_drafts is None:
             return None
+    admitted: list[ScheduledSequence] = []
+    if admitting:  # first dibs on blocks, as in the synchronous step (whose drafts also take KV)
+        try:
+            scheduler.admit_waiting(scheduler.config.max_num_batched_tokens - len(seqs) * q, admitted)
+        except BaseException:
+            _unadmit(scheduler, admitted, undo_drafts)
+            raise
+        if (
+            not admitted
+            or not may_join(scheduler, admitted)
+            or (may_chain and not may_chain(scheduler.running))
+        ):
+            _unadmit(scheduler, admitted, undo_drafts)
+            return None  # the synchronous step admits (and decides how to sample) instead
     reserve = steps * q  # KV placeholders a sequence: every draft of every device step survives
     copies = scheduler.kv.append_batch(
         seq_ids, [PLACEHOLDER_TOKEN_ID] * (len(seq_ids) * reserve), [reserve] * len(seq_ids)
     )
     if copies is None:
-        if undo_drafts is not None:
-            undo_drafts()
+        _unadmit(scheduler, admitted, undo_drafts)
         return None  # out of blocks: the synchronous step decides whom to preempt
     planned: list[ScheduledSequence] = []
     for seq, i, end in zip(seqs, kept, ends, strict=True):
@@ -140,10 +162,15 @@ def plan_spec_lookahead(
     # The last device step's rows if every draft survives: its block tables cover every position
     # any device step can take, its context lengths bound theirs. The rows themselves are
     # computed on the device from the token histories (DeviceNgramChain.feed).
-    layout = scheduler.kv.build_batch(seq_ids, [e + reserve - q for e in ends], [q] * len(seq_ids))
-    rows = None if len(kept) == len(prev.sequences) else kept
+    # Admitted prompts follow with their real inputs (rows the feed leaves alone).
+    layout = scheduler.kv.build_batch(
+        [*seq_ids, *(a.seq_id for a in admitted)],
+        [*(e + reserve - q for e in ends), *(a.num_computed_tokens for a in admitted)],
+        [*([q] * len(seq_ids)), *(len(a.token_ids) for a in admitted)],
+    )
+    rows = None if len(kept) == len(prev.sequences) and not admitted else kept
     return SchedulerOutput(
-        planned,
+        planned + admitted,
         layout,
         copies,
         [],
@@ -169,7 +196,7 @@ def resolve_spec_lookahead(
     kv = scheduler.kv
     drafts = {st.seq_id: d for st, d in zip(result.sampled, result.next_drafts or (), strict=True)}
     bonus = {st.seq_id: st.token_ids[-1] for st in result.sampled}
-    for s in lookahead.sequences:
+    for s in lookahead.sequences[: lookahead.num_fed]:  # (prompts it admitted have real inputs)
         seq = by_seq_id.get(s.seq_id)
         if seq is None or seq.status is not running:
             continue  # stopped or aborted at N: its N+1 result is dropped by update()
@@ -193,12 +220,40 @@ def record_device_inputs(scheduler: Scheduler, sched: SchedulerOutput, result: M
     by_seq_id = scheduler._by_seq_id
     running = RequestStatus.RUNNING
     emitted = {st.seq_id: st.token_ids for st in result.sampled}
-    for s in sched.sequences:
+    for s in sched.sequences[: sched.num_fed]:  # (prompts it admitted ran their real inputs)
         seq = by_seq_id.get(s.seq_id)
         tokens = emitted.get(s.seq_id)
         if seq is None or seq.status is not running or not tokens:
             continue
         scheduler.kv.set_tokens(s.seq_id, s.num_computed_tokens, [s.token_ids[0], *tokens[:-1]])
+
+
+def may_join(scheduler: Scheduler, admitted: list[ScheduledSequence]) -> bool:
+    """Whether prompts admitted into a chained step may ride in it: the device decides their first
+    token by argmax like every chained row's (plain greedy: no penalties, min_tokens bans or
+    logprobs; speculating), and none forks."""
+    for a in admitted:
+        seq = scheduler._by_seq_id[a.seq_id]
+        p = seq.sampling_params
+        if seq.pending_children or not (
+            p.temperature == 0.0
+            and not p.has_penalties
+            and p.min_tokens == 0
+            and p.logprobs is None
+            and p.use_speculation
+        ):
+            return False
+    return True
+
+
+def _unadmit(scheduler: Scheduler, admitted: list[ScheduledSequence], undo_drafts) -> None:
+    """Undo a planned chained step's admissions (back to the queue, in order) and its draft
+    reservation: nothing of it was launched."""
+    by_seq_id = scheduler._by_seq_id
+    for a in reversed(admitted):
+        scheduler.unadmit(by_seq_id[a.seq_id])
+    if undo_drafts is not None:
+        undo_drafts()
 
 
 def _known_tokens(seq, s: ScheduledSequence, end: int) -> list[int] | None:

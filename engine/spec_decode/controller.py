@@ -279,7 +279,10 @@ class SpeculativeDecoder:
             checks = result.verifications(applied)
             self._known.update(seq_id for seq_id, _, _ in checks)  # forgotten by a later propose()
             if sched.feeds_drafts:  # its drafts came from the device proposer: 0 = no match
-                self.stats.num_unmatched_sequence_steps += sum(1 for _, k, _ in checks if k == 0)
+                fed = {s.seq_id for s in sched.sequences[: sched.num_fed]}  # (not prompts it admitted)
+                self.stats.num_unmatched_sequence_steps += sum(
+                    1 for seq_id, k, _ in checks if k == 0 and seq_id in fed
+                )
         else:
             checks = [
                 (st.seq_id, s.num_spec_tokens, len(st.token_ids) - 1) for s, st in _with_drafts(sched, result)

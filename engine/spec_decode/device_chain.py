@@ -94,6 +94,11 @@ class DeviceNgramChain:
         self._staging_len = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=self._pin)
         # A first step's groups, flat: first rows [B], draft counts [B], drafts [B, K] (0-padded)
         self._groups = torch.zeros(max_seqs * (2 + self.k), dtype=torch.int64, pin_memory=self._pin)
+        # Staging of a chained step's admitted rows (`add_rows`, `accept`): buffers of their own,
+        # since the first step's above may still be read by copies queued behind that step.
+        self._add_hist = _Staging(self._pin, torch.int32)
+        self._add_len = _Staging(self._pin, torch.int32)
+        self._add_rows = _Staging(self._pin, torch.int64)
 
     def start(self, token_lists: Sequence[Sequence[int]]) -> None:
         """Upload the histories of a chain's first step (row b: sequence b's known tokens)."""
@@ -105,6 +110,26 @@ class DeviceNgramChain:
         longest = int(lens[:n].max()) if n else 0
         self.history[:n, :longest].copy_(self._staging[:n, :longest], non_blocking=True)
         self.history_len[:n].copy_(self._staging_len[:n], non_blocking=True)
+
+    def add_rows(self, first: int, token_lists: Sequence[Sequence[int]]) -> None:
+        """Upload the histories of sequences that join a chained step (prompts it admitted) as
+        rows first, first + 1, ... (rows before them stay as they are)."""
+        n = len(token_lists)
+        if n == 0:
+            return
+        if first + n > self.max_seqs:
+            raise ValueError(f"{first + n} chained sequences exceed the chain's {self.max_seqs}")
+        hist = self._add_hist.take(n, self.history.shape[1])
+        lens = self._add_len.take(n)
+        staging, lens_np = hist.numpy(), lens.numpy()
+        for b, tokens in enumerate(token_lists):
+            staging[b, : len(tokens)] = tokens
+            lens_np[b] = len(tokens)
+        longest = int(lens_np[:n].max())
+        self.history[first : first + n, :longest].copy_(hist[:n, :longest], non_blocking=True)
+        self.history_len[first : first + n].copy_(lens[:n], non_blocking=True)
+        self._add_hist.copied()
+        self._add_len.copied()
 
     def accept(
         self,
@@ -128,13 +153,23 @@ class DeviceNgramChain:
         if fed is not None:  # its next drafts, verified where they came from a match
             next_col = PACKED_FIXED + fed.k_step + 1
             drafts_dev, has_match = fed.packed[:, next_col:], fed.packed[:, COL_HAS_MATCH]
+            num_admitted = num_seqs - fed.packed.shape[0]
+            rows = None  # dense: group b's rows start at b (K + 1)
+            if num_admitted > 0:  # prompts admitted behind the chained rows: one row, no drafts
+                drafts_dev = torch.cat(
+                    [drafts_dev, drafts_dev.new_zeros((num_admitted, drafts_dev.shape[1]))]
+                )
+                has_match = torch.cat([has_match, has_match.new_zeros(num_admitted)])
+                rows = self._stage_rows(first_rows, argmax.device)
             if self.triton:
                 packed = ngram_ops.launch_packed(
-                    argmax, None, drafts_dev, has_match, k, history, history_len, *ngram, **rank
+                    argmax, rows, drafts_dev, has_match, k, history, history_len, *ngram, **rank
                 )
             else:
-                rows = torch.arange(num_seqs, device=argmax.device) * (k + 1)
-                slots = torch.full((num_seqs,), k, dtype=torch.int64, device=argmax.device)
+                slots = has_match * k  # (the kernel's: the verified count, or K for dense rows)
+                if rows is None:
+                    rows = torch.arange(num_seqs, device=argmax.device) * (k + 1)
+                    slots = torch.full((num_seqs,), k, dtype=torch.int64, device=argmax.device)
                 packed = _reference_packed(
                     argmax, rows, drafts_dev, has_match * k, slots, history, history_len, ngram, self.search
                 )
@@ -165,6 +200,15 @@ class DeviceNgramChain:
         if copy:
             self.copy_to_host([step])
         return step
+
+    def _stage_rows(self, first_rows: Sequence[int], device: torch.device) -> torch.Tensor:
+        """[B] int64 first rows on the device (a chained step with admissions: not dense)."""
+        n = len(first_rows)
+        host = self._add_rows.take(n)
+        host.numpy()[:n] = first_rows
+        staged = host[:n].to(device, non_blocking=True)
+        self._add_rows.copied()
+        return staged if self._pin else staged.clone()
 
     def copy_to_host(self, steps: Sequence[ChainStep]) -> None:
         """One host copy of the steps' packed results (pinned, enqueued now; on the CPU they are
@@ -219,6 +263,34 @@ class DeviceNgramChain:
             ngram_ops.launch_chain_feed(prev.packed, prev.k_step, *args)
         else:
             feed_inputs_torch(prev, *args)
+
+
+class _Staging:
+    """Pinned host buffers used in two turns: a turn is refilled only after the copies enqueued
+    from it (`copied`) have run, so a copy still queued never reads the next step's values."""
+
+    def __init__(self, pin: bool, dtype: torch.dtype) -> None:
+        self.pin, self.dtype = pin, dtype
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def take(self, rows: int, *width: int) -> torch.Tensor:
+        """This turn's buffer, [>= rows, *width]."""
+        t = self.turn
+        if self.events[t] is not None:
+            self.events[t].synchronize()  # (two steps back: done long since in practice)
+        buf = self.buffers[t]
+        if buf is None or buf.shape[0] < rows:
+            buf = self.buffers[t] = torch.zeros((max(rows, 8), *width), dtype=self.dtype, pin_memory=self.pin)
+        return buf
+
+    def copied(self) -> None:
+        """The copies from this turn's buffer are enqueued: the next take() uses the other."""
+        if self.pin:
+            self.events[self.turn] = torch.cuda.Event()
+            self.events[self.turn].record()
+        self.turn ^= 1
 
 
 def _reference_packed(

@@ -116,6 +116,10 @@ class InputBatch:
         num_tokens = int(layout.slot_mapping.shape[0])
         if sched.feeds_drafts:  # a chained step's ids are written on the device (device_chain.py)
             ids = np.zeros(num_tokens, np.int64)
+            admitted = sched.sequences[sched.num_fed :]  # prompts admitted behind: real inputs
+            if admitted:
+                tail = list(itertools.chain.from_iterable(s.token_ids for s in admitted))
+                ids[num_tokens - len(tail) :] = tail
         else:
             ids = np.fromiter(
                 itertools.chain.from_iterable(s.token_ids for s in sched.sequences), np.int64, num_tokens

@@ -210,7 +210,7 @@ class ModelRunner:
             if sched.feed_rows is not None:  # sequences stopped since that step: their rows go
                 fed_chain = chain.select_rows(fed_chain, sched.feed_rows)
             if sched.model_drafts:  # the draft model drafts from the histories N's acceptance left
-                seqs = sched.sequences
+                seqs = sched.sequences[: sched.num_fed]
                 drafts = self.spec_decoder.chain_drafter.launch_chained(
                     [s.seq_id for s in seqs],
                     [s.num_computed_tokens for s in seqs],
@@ -220,6 +220,12 @@ class ModelRunner:
                 fed_chain = chain.with_drafts(fed_chain, drafts)
             b = self.batch
             chain.feed(fed_chain, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
+            admitted = rows[sched.num_fed :]  # (rows: one per group, in the groups' order)
+            if admitted:  # their token histories join the chain's, behind the chained rows
+                chain.add_rows(
+                    sched.num_fed,
+                    [[*r.prompt_token_ids, *r.output_token_ids[: r.output_position]] for r in admitted],
+                )
         elif sched.feeds_previous:
             self._feed_previous(sched, feed, inputs.input_ids)
         elif getattr(self.spec_decoder, "device_drafts", None) is not None:
@@ -451,12 +457,21 @@ class ModelRunner:
     def _chained_sampling_plan(
         sched: SchedulerOutput,
     ) -> tuple[np.ndarray, list[SamplingRow], list[VerifyGroup]]:
-        """A chained step's plan: every sequence's K + 1 rows, decided on the device (the drafts
-        are not on the host yet, and no per-row sampling parameters are needed)."""
-        q = int(sched.layout.query_start_loc[1])  # K + 1 (token_ids: every device step's)
-        rows = [s.sample for s in sched.sequences]
-        groups = [VerifyGroup(s.seq_id, b * q, []) for b, s in enumerate(sched.sequences)]
-        return np.arange(len(rows) * q, dtype=np.int64), rows, groups
+        """A chained step's plan: every chained sequence's K + 1 rows, then the last row of each
+        prompt admitted behind them that samples, decided on the device (the drafts are not on
+        the host yet, and no per-row sampling parameters are needed)."""
+        qsl = sched.layout.query_start_loc
+        q = int(qsl[1])  # K + 1 (token_ids: every device step's)
+        fed = sched.sequences[: sched.num_fed]
+        rows = [s.sample for s in fed]
+        groups = [VerifyGroup(s.seq_id, b * q, []) for b, s in enumerate(fed)]
+        logits_rows = list(range(len(fed) * q))
+        for b, s in enumerate(sched.sequences[sched.num_fed :], start=len(fed)):
+            if s.sample is not None:  # (a chunk that does not end its prompt samples nothing)
+                groups.append(VerifyGroup(s.seq_id, len(logits_rows), []))
+                rows.append(s.sample)
+                logits_rows.append(int(qsl[b + 1]) - 1)
+        return np.asarray(logits_rows, dtype=np.int64), rows, groups
 
     @staticmethod
     def _spec_sampling_plan(

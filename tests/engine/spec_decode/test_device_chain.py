@@ -16,6 +16,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     generate,
     greedy_workload,
     make_llm,
+    trace_admissions,
 )
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
@@ -281,4 +282,62 @@ def test_a_chain_goes_on_when_a_sequence_stops(tiny_llama_dir, plain, device_ste
     assert got[:3] == want[:3] and got[3] == want[3][: want[3].index(stop_mid) + 1]
     steps, launches = llm.core._step - steps, llm.core.num_lookahead_steps - launches
     assert launches >= steps - 3, (steps, launches)
+    assert_no_leak(llm)
+
+
+def _run(core, ps, params) -> list[list[int]]:
+    """Submit every prompt (requests r0, r1, ...) and step until all are done: output ids."""
+    ids = [f"r{i}" for i in range(len(ps))]
+    for rid, p, sp in zip(ids, ps, params, strict=True):
+        core.add_request(rid, p, sp)
+    outs: dict[str, list[int]] = {rid: [] for rid in ids}
+    while core.has_unfinished():
+        for out in core.step():
+            for d in out.deltas:
+                outs[out.request_id].extend(d.token_ids)
+    return [outs[rid] for rid in ids]
+
+
+@pytest.mark.parametrize(("seed", "device_steps"), [(3, 1), (4, 4), (5, 4)])
+def test_a_queue_is_admitted_into_chained_steps(tiny_llama_dir, plain, seed, device_steps):
+    """Requests waiting for a seat are admitted into the chained step behind its chained rows
+    (that step runs one device step) and chain from the next: a refilled batch stays chained.
+    Outputs equal plain greedy; nothing leaks."""
+    ps, params = greedy_workload(random.Random(seed), 10, seed, (4, 30), stop_every=3)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    llm = chained(tiny_llama_dir, unpaused(device_steps), max_num_seqs=3)
+    log = trace_admissions(llm.core)
+    assert _run(llm.core, ps, params) == want
+    admitting = [chained_step for admits, chained_step in log[1:] if admits]
+    # (before: every admission was a synchronous step)
+    assert len(admitting) >= 5 and sum(admitting) >= len(admitting) - 1, log
+    assert llm.core.num_lookahead_admissions >= len(admitting) - 1
+    assert_no_leak(llm)
+
+
+def test_a_request_that_samples_is_not_admitted_into_a_chain(tiny_llama_dir, plain):
+    """A chained step decides every row by argmax on the device: a waiting request that samples
+    (temperature > 0, seeded) or asks for logprobs ends the chain instead, and the synchronous
+    step admits it. Its tokens equal the plain engine's for the same seed."""
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    ps = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8, [40, 41, 42] * 5, [7, 8] * 6]
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)  # r2 waits for its seat
+    params = [greedy, short, sampled, with_logprobs]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    llm = chained(tiny_llama_dir, unpaused(1), max_num_seqs=2)
+    core = llm.core
+    in_chains: set[str] = set()  # requests that had rows in a chained step
+    launch = core.runner.launch_forward
+
+    def traced(sched, *args, **kwargs):
+        if sched.feeds_drafts:
+            by_seq_id = core.scheduler._by_seq_id
+            in_chains.update(by_seq_id[s.seq_id].request_id for s in sched.sequences if s.seq_id in by_seq_id)
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch_forward = traced
+    assert _run(core, ps, params) == want
+    assert {"r0", "r1"} <= in_chains and not {"r2", "r3"} & in_chains, in_chains
     assert_no_leak(llm)

@@ -103,6 +103,20 @@ def step_through(core, ps: list[list[int]], params: SamplingParams):
         yield
 
 
+def trace_admissions(core) -> list[tuple[bool, bool]]:
+    """Per launched step, filled as the engine runs: (it admits a prompt, it is chained)."""
+    log: list[tuple[bool, bool]] = []
+    launch = core.runner.launch_forward
+
+    def traced(sched, *args, **kwargs):
+        admits = any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.sequences)
+        log.append((admits, sched.feeds_drafts))
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch_forward = traced
+    return log
+
+
 def kv_record(kv: KVCacheManager, seq_id: int) -> list[int]:
     """The token ids a KV cache manager records for a sequence, read block by block."""
     record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
