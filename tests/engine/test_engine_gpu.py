@@ -33,7 +33,7 @@ def make_llm(
         EngineConfig(
             model=str(folder),
             cache=CacheConfig(block_size=16, num_blocks=128),
-            scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16, **sched),
+            scheduler=SchedulerConfig(**{"max_model_len": 256, "max_num_seqs": 16, **sched}),
             device=DeviceConfig(device="cuda", dtype=dtype, enable_cuda_graphs=graphs),
             speculative=spec or SpeculativeConfig(),
         )
@@ -205,3 +205,28 @@ def test_chained_pair_matches_plain_greedy(tiny_llama_dir, graphs):
     kv = llm.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_queue_admitted_into_chained_steps_matches_plain_greedy(tiny_llama_dir, graphs, method):
+    """Three seats for 13 requests: chained steps admit the waiting prompts behind their chained
+    rows (histories and first rows staged apart, the accept kernel over groups of K + 1 rows and
+    one-row prompts), and the pair's draft cache is prefilled for them the step after. Plain
+    greedy tokens; every KV block back."""
+    plain = make_llm(tiny_llama_dir, graphs=graphs)
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6, [11, 12] * 12]
+    params = [
+        SamplingParams(max_tokens=6 + 5 * (i % 4), temperature=0.0, ignore_eos=True) for i in range(len(ps))
+    ]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    extra = {"draft_model": "self:first=1"} if method == "draft" else {"ngram_max": 3}
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, min_acceptance_rate=0.0, **extra)
+    llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True, max_num_seqs=3)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
+    assert llm.core.num_chained_steps > 10 and llm.core.num_lookahead_admissions >= 5
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    if method == "draft":
+        draft_kv = llm.core.spec_decoder.proposer.kv
+        assert draft_kv.num_free_blocks == draft_kv.num_blocks
