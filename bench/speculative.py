@@ -288,7 +288,7 @@ def run_workload(
                 theory = theoretical_speedup(alpha, k, row["c"])
                 row.update(refilled_row(plain_loop, fast_loop, alpha, theory))
                 # host passes of the whole refilled run, and its device steps chained on the
-                # device (an admission that ends a chain shows here)
+                # device (a step that is not chained shows here)
                 row["refilled_host_steps"] = core._step - steps0
                 row["refilled_chained_steps"] = core.num_chained_steps - chained0
             rows.append(row)
