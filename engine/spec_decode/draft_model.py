@@ -329,8 +329,9 @@ class DraftModelProposer:
     def _prefill_for_chain(self, seq_ids: Sequence[int], known: Sequence[Sequence[int] | None]) -> set[int]:
         """Bring the caches of the sequences with known tokens [0, end) to all of them but the
         last, computed (where a chained step's first draft step starts: it recomputes end - 1
-        with the bonus token). One forward for all (a graph replay when none needs > 2 tokens); the sequences now ready. A cache with
-        device drafts in its records (placeholders) is left alone: its sequence gets no chain."""
+        with the bonus token). One forward for all (a graph replay when none needs > 2 tokens);
+        the sequences now ready. A cache with device drafts in its records (placeholders) is left
+        alone: its sequence gets no chain."""
         fed = self._unresolved.rows if self._unresolved is not None else {}
         ready: set[int] = set()
         run_ids: list[int] = []
