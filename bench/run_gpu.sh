@@ -134,6 +134,11 @@ probe spec_pair_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/
 # the pair again with the host reading every draft step's tokens (drafts not left on the device)
 probe spec_pair_host_drafts "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_host_drafts" \
   --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --device-drafts off --device-chain off
+# the pair again with torch's argmax and torch's GEMM at 17-64 rows (the kernels of 2026-12-05 off: A/B)
+probe spec_pair_kernels_off env PAGEDINFER_ARGMAX_KERNEL=0 PAGEDINFER_GEMV_MAX_ROWS=16 "$PY" -P bench/speculative.py \
+  --device cuda --out "$OUTDIR/spec_kernels_off" --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --rounds 3
+# where a batch-8 K 4 pair step's device time goes (busy / idle per step, kernels by category)
+probe profile_spec_b8 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads pair --batch 8 --k 4 --tag _b8k4
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,
