@@ -65,6 +65,20 @@ def _pair(folder, chained: bool, draft_blocks: int = 128, k: int = K, min_accept
     llm = _scaled(make_llm(folder, async_scheduling=True, **sched))
     draft = _Written(LayerSubsetDraft(llm.core.runner.model, [0]))
     proposer = attach_draft(llm, draft, k=k, num_blocks=draft_blocks).proposer
+    copy_blocks = proposer._copy_blocks
+
+    def copy_and_note(copies):  # copy-on-write moves K/V between blocks: the notes follow
+        size = proposer.kv.block_size
+        for src, dst in copies:
+            for o in range(size):
+                written = draft.slots.get(src * size + o)
+                if written is None:
+                    draft.slots.pop(dst * size + o, None)
+                else:
+                    draft.slots[dst * size + o] = written
+        copy_blocks(copies)
+
+    proposer._copy_blocks = copy_and_note
     chain = None
     if chained:
         chain = DeviceNgramChain(32, MAX_MODEL_LEN, k, 1, 4, torch.device("cpu"), "reference", search=False)
@@ -335,4 +349,30 @@ def test_a_failed_chained_launch_leaves_no_draft_blocks_held(tiny_llama_dir, fai
         core.abort(rid)
     while core.has_unfinished():
         core.step()
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_forked_greedy_requests_keep_the_draft_cache_right(tiny_llama_dir, plain, chained):
+    """Greedy n = 2 requests: the children share their prompt's draft blocks through the prefix
+    cache, and a child's draft step writes into a shared block only after a copy-on-write. Every
+    draft record equals the written K/V after every step (the notes follow the copies: without
+    that the chained case fails here), outputs equal plain greedy, nothing leaks."""
+    llm = _pair(tiny_llama_dir, chained, draft_blocks=40, k=4, max_num_seqs=4)
+    proposer = llm.core.spec_decoder.proposer
+    ps = [[17, 43, 99, 250, 8, 61, 77, 12, 130, 5, 201, 33, 91], [5, 6, 7, 8, 9] * 5, [40, 41] * 7]
+    params = SamplingParams(n=2, max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = plain(ps, params)
+    core, checked = llm.core, 0
+    outs: dict[tuple[str, int], list[int]] = {}
+    for i, p in enumerate(ps):
+        core.add_request(f"n{i}", p, params)
+    while core.has_unfinished():
+        for out in core.step():
+            for d in out.deltas:
+                outs.setdefault((out.request_id, d.index), []).extend(d.token_ids)
+        checked += _check_draft_kv(proposer)
+    assert [outs[(f"n{i}", 0)] for i in range(len(ps))] == want
+    assert all(outs[(f"n{i}", 1)] == outs[(f"n{i}", 0)] for i in range(len(ps)))  # greedy twins
+    assert checked > 300
     assert_no_leak(llm)
