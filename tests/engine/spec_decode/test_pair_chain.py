@@ -302,16 +302,22 @@ def test_an_admitted_prompt_joins_the_chain_at_once(tiny_llama_dir, plain, seed,
     assert_no_leak(llm)
 
 
+def _add_greedy(core, ps: list[list[int]]) -> list[str]:
+    """Requests a0, a1, ... of 40 greedy tokens each; their ids."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = [f"a{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps, strict=True):
+        core.add_request(rid, p, params)
+    return ids
+
+
 @pytest.mark.parametrize("when", [3, 6, 9])
 def test_aborting_every_request_mid_chain_frees_the_draft_cache(tiny_llama_dir, when):
     """Requests aborted while a chained step is in flight: once the engine is idle, both KV
     managers hold nothing (not only after some later request's proposal)."""
     llm = _pair(tiny_llama_dir, True)
     core = llm.core
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    ids = [f"a{i}" for i in range(4)]
-    for rid, p in zip(ids, prompts(4, 9), strict=False):
-        core.add_request(rid, p, params)
+    ids = _add_greedy(core, prompts(4, 9)[:4])
     for _ in range(when):
         core.step()
     assert core.num_chained_steps > 0
@@ -328,10 +334,7 @@ def test_a_failed_chained_launch_leaves_no_draft_blocks_held(tiny_llama_dir, fai
     aborts every request; once idle, the draft cache holds nothing either."""
     llm = _pair(tiny_llama_dir, True)
     core = llm.core
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    ids = [f"f{i}" for i in range(3)]
-    for rid, p in zip(ids, prompts(3, 4), strict=False):
-        core.add_request(rid, p, params)
+    ids = _add_greedy(core, prompts(3, 4)[:3])
     launch, calls = core.runner.launch_forward, []
 
     def failing(sched, *args, **kwargs):
