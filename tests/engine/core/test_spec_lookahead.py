@@ -94,13 +94,30 @@ def test_plan_then_resolve_matches_what_ran(seed):
         assert seq.num_kv_tokens == seq.num_computed_tokens == s.kv.num_tokens(x.seq_id)
 
 
-def test_no_chain_when_a_waiting_request_could_be_admitted_or_a_sequence_ends():
+def test_a_waiting_greedy_request_rides_in_the_chain_one_that_samples_ends_it():
+    """A request the synchronous step would admit is admitted behind the chained rows when it is
+    plain greedy (one device step; dropping the step puts it back at the queue's head); one that
+    samples ends the chain, and planning leaves no trace (queue, KV, reservations)."""
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
     s = _scheduler()
     step_n = _verifying(s, [[9, 9], [8]])
-    s.add_request(
-        Request(9, "w", 0, [3] * 5, SamplingParams(max_tokens=4, temperature=0.0), 0.0, eos_token_ids=(2,))
-    )
-    assert plan_spec_lookahead(s, step_n, K) is None  # the synchronous step admits it
+    s.add_request(Request(9, "w", 0, [3] * 5, greedy, 0.0, eos_token_ids=(2,)))
+    nxt = plan_spec_lookahead(s, step_n, K, max_device_steps=4)
+    assert nxt is not None and nxt.num_fed == 2 and nxt.feed_rows == [0, 1] and nxt.num_device_steps == 1
+    admitted = nxt.sequences[2]
+    assert (admitted.seq_id, admitted.token_ids, admitted.num_computed_tokens) == (9, [3] * 5, 0)
+    assert admitted.sample is not None and s.get_sequence(9) in s.running
+    drop_lookahead(s, nxt)
+    assert [w.seq_id for w in s.waiting] == [9] and s.get_sequence(9) not in s.running
+    sampled = _scheduler()
+    step_n = _verifying(sampled, [[9, 9], [8]])
+    kv_before = [sampled.kv.num_tokens(x.seq_id) for x in step_n.sequences]
+    free_before = sampled.kv.num_free_blocks
+    sampled.add_request(Request(9, "w", 0, [3] * 5, SamplingParams(max_tokens=4, temperature=0.8), 0.0))
+    assert plan_spec_lookahead(sampled, step_n, K) is None  # the synchronous step admits it
+    assert [w.seq_id for w in sampled.waiting] == [9] and len(sampled.running) == 2
+    assert [sampled.kv.num_tokens(x.seq_id) for x in step_n.sequences] == kv_before
+    assert sampled.kv.num_free_blocks == free_before
     s2 = _scheduler(num_blocks=8)
     step_n = _verifying(s2, [[9]])
     s2.add_request(Request(9, "w", 0, [3] * 40, SamplingParams(max_tokens=4), 0.0, eos_token_ids=(2,)))

@@ -37,6 +37,11 @@ class ServerProc:
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        while self.grpc_port == self.http_port:  # (the OS may hand the same free port out twice)
+            self.grpc_port = free_port()
+
     log_path: Path | None = None
 
     @property
@@ -79,8 +84,16 @@ class ServerProc:
 
     def wait_ready(self, timeout: float = 240.0) -> ServerProc:
         deadline = time.monotonic() + timeout
+        rebinds = 0
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                # A port free_port() saw free can be taken before the server binds it (another
+                # process, or the other of this server's two ports): start again on fresh ports.
+                if "address already in use" in self.log() and rebinds < 3:
+                    rebinds += 1
+                    self.http_port, self.grpc_port = free_port(), free_port()
+                    self.start()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
                 if httpx.get(f"{self.http}/ready", timeout=2).status_code == 200:
