@@ -270,10 +270,10 @@ def _known_tokens(seq, s: ScheduledSequence, end: int) -> list[int] | None:
 
 
 def _may_admit(scheduler: Scheduler, k: int) -> bool:
-    """A waiting request the synchronous scheduler could seat and give blocks (a chain would keep
-    it waiting); one that fits no free blocks cannot be admitted by either. Blocks the chain holds
-    past what a synchronous step needs (its reservations for drafts not yet verified) count as
-    free: ending the chain releases them."""
+    """A waiting request the synchronous scheduler could seat and give blocks (the chained step
+    then tries to admit it, else ends); one that fits no free blocks cannot be admitted by either.
+    Blocks the chain holds past what a synchronous step needs (its reservations for drafts not yet
+    verified) count as free: ending the chain releases them."""
     if not scheduler.waiting or scheduler._num_seats_taken() >= scheduler.config.max_num_seqs:
         return False
     kv = scheduler.kv
