@@ -1,7 +1,7 @@
 """Greedy token ids: the argmax of each row of logits [N, V], with V a vocabulary (~32k-256k).
 
-torch's argmax reduces a long row with few rows in flight: on the H200 one call over [1-40,
-128256] took 27-38 us (bench/results/profile_spec.json), and a chained speculative step makes K + 1
+torch's argmax reduces a long row with few rows in flight: on the H200 one call over [1-5,
+128256] took 27-38 us (bench/results/profile_spec.json, batch 1), and a chained speculative step makes K + 1
 of them (K draft steps, one verification). Here one program owns one row and walks it in
 BLOCK-wide tiles with `num_warps` warps, keeping a running maximum per lane: the row's 256 KB
 (bf16) stream through one SM in a few microseconds, and a verification's 8-56 rows run side by
@@ -62,8 +62,8 @@ def argmax_rows(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    # 4096-wide tiles over 8 warps: 16 values in flight per thread (measured on the H200, see
-    # bench/NOTES.md "Greedy argmax"); small vocabularies use one tile.
+    # 4096-wide tiles over 8 warps: 16 values in flight per thread (chosen, not yet swept on the
+    # H200: bench/argmax.py times it); small vocabularies use one tile.
     block = min(4096, triton.next_power_of_2(x.shape[1]))
     _argmax_rows_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=block, num_warps=8)
     return out

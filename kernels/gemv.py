@@ -176,8 +176,9 @@ def gemv(
 
 # 17-64 rows (a batch-8 verification: 8 x (K + 1)), from the H200 sweep of 2026-12-04 12:20
 # (NOTES.md "17-64 rows"): the dot kernel beats torch's GEMM on the lm_head (252-260 vs 264-277 us),
-# o (12.3-13.2 vs 13.7-14.3) and, from 33 rows (64-row tiles), down (33.2-33.6 vs 33.7-34.8);
-# torch wins qkv and gate_up (by 1-3 us) and down at 17-32 rows (32.8 vs 38.0).
+# o at 24-40 rows (12.3-13.2 vs 13.7-14.3; a tie at 56) and, from 33 rows (64-row tiles), down
+# (33.2-33.6 vs 33.7-34.8); torch wins qkv and gate_up (by 1-3 us) and down at 17-32 rows (32.8
+# vs 38.0).
 VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=128, block_k=128, num_warps=4, num_stages=4)
 
 
