@@ -53,6 +53,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every token is the raw logits' argmax: greedy, no penalties, no min_tokens bans (which
+        could only lift at later positions). What a draft on the device or a chained step decides."""
+        return self.temperature == 0.0 and not self.has_penalties and self.min_tokens == 0
+
     def validate(self) -> None:
         checks = [
             (1 <= self.n <= self.MAX_N, f"n must be in [1, {self.MAX_N}], got {self.n}"),

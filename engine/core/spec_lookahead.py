@@ -239,13 +239,7 @@ def may_join(scheduler: Scheduler, admitted: list[ScheduledSequence]) -> bool:
     for a in admitted:
         seq = scheduler._by_seq_id[a.seq_id]
         p = seq.sampling_params
-        if seq.pending_children or not (
-            p.temperature == 0.0
-            and not p.has_penalties
-            and p.min_tokens == 0
-            and p.logprobs is None
-            and p.use_speculation
-        ):
+        if seq.pending_children or not (p.is_plain_greedy and p.logprobs is None and p.use_speculation):
             return False
     return True
 
@@ -263,7 +257,7 @@ def _unadmit(scheduler: Scheduler, admitted: list[ScheduledSequence], undo_draft
 def _known_tokens(seq, s: ScheduledSequence, end: int) -> list[int] | None:
     """A sequence's tokens [0, end) when its step N verified no drafts (N's inputs are then all
     real tokens the host has: a prompt, a recomputation, one decode token), else None."""
-    if s.num_spec_tokens or s.num_computed_tokens + len(s.token_ids) != end:
+    if s.num_spec_tokens:
         return None
     tokens = [*seq.prompt_token_ids, *seq.output_token_ids]
     return tokens if len(tokens) == end else None

@@ -148,7 +148,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         self.resolve()  # (a chain's records are settled before any proposal: `end_chains`)
-        if self.device_drafts and requests and all(_plain_greedy(r.row.sampling_params) for r in requests):
+        if self.device_drafts and requests and all(r.row.sampling_params.is_plain_greedy for r in requests):
             return self._propose_on_device(requests)
         num_reqs = len(requests)
         k_max = min(self.num_speculative_tokens, max((r.max_draft_tokens for r in requests), default=0))
@@ -612,12 +612,6 @@ class DraftModelProposer:
             meta.seeds = meta.seeds ^ _DRAFT_SALT
         tokens = self.sampler.draw(processed, meta).tolist()
         return tokens, None if meta.all_greedy else processed.softmax(dim=-1)
-
-
-def _plain_greedy(params) -> bool:
-    """Drafts are the raw argmax at every position (no penalties; no min_tokens bans, which
-    could only lift at later positions)."""
-    return params.temperature == 0.0 and not params.has_penalties and params.min_tokens == 0
 
 
 def _position_row(row: SamplingRow, drafts: list[int]) -> SamplingRow:

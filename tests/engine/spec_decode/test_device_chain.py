@@ -16,6 +16,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     generate,
     greedy_workload,
     make_llm,
+    run_requests,
     trace_admissions,
 )
 
@@ -286,16 +287,9 @@ def test_a_chain_goes_on_when_a_sequence_stops(tiny_llama_dir, plain, device_ste
 
 
 def _run(core, ps, params) -> list[list[int]]:
-    """Submit every prompt (requests r0, r1, ...) and step until all are done: output ids."""
-    ids = [f"r{i}" for i in range(len(ps))]
-    for rid, p, sp in zip(ids, ps, params, strict=True):
-        core.add_request(rid, p, sp)
-    outs: dict[str, list[int]] = {rid: [] for rid in ids}
-    while core.has_unfinished():
-        for out in core.step():
-            for d in out.deltas:
-                outs[out.request_id].extend(d.token_ids)
-    return [outs[rid] for rid in ids]
+    """Each request's output ids (requests r0, r1, ... of one completion each)."""
+    outs = run_requests(core, ps, params)
+    return [outs.get((f"r{i}", 0), []) for i in range(len(ps))]
 
 
 @pytest.mark.parametrize(("seed", "device_steps"), [(3, 1), (4, 4), (5, 4)])

@@ -24,6 +24,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     kv_record,
     make_llm,
     prompts,
+    run_requests,
     step_through,
     trace_admissions,
 )
@@ -280,17 +281,10 @@ def test_an_admitted_prompt_joins_the_chain_at_once(tiny_llama_dir, plain, seed,
     llm = _pair(tiny_llama_dir, True, **sched)
     core, proposer = llm.core, llm.core.spec_decoder.proposer
     log = trace_admissions(core)
-    ids = [f"q{i}" for i in range(len(ps))]
-    for rid, p, sp in zip(ids, ps, params, strict=True):
-        core.add_request(rid, p, sp)
-    outs: dict[str, list[int]] = {rid: [] for rid in ids}
-    checked = 0
-    while core.has_unfinished():
-        for out in core.step():
-            for d in out.deltas:
-                outs[out.request_id].extend(d.token_ids)
-        checked += _check_draft_kv(proposer)
-    assert [outs[rid] for rid in ids] == want
+    checks: list[int] = []
+    outs = run_requests(core, ps, params, lambda: checks.append(_check_draft_kv(proposer)))
+    checked = sum(checks)
+    assert [outs.get((f"r{i}", 0), []) for i in range(len(ps))] == want
     admissions = [i for i, (admits, _) in enumerate(log[:-1]) if admits and i > 0]
     in_chain = sum(1 for i in admissions if log[i][1])
     joined = sum(1 for i in admissions if log[i + 1][1])
@@ -366,16 +360,9 @@ def test_forked_greedy_requests_keep_the_draft_cache_right(tiny_llama_dir, plain
     ps = [[17, 43, 99, 250, 8, 61, 77, 12, 130, 5, 201, 33, 91], [5, 6, 7, 8, 9] * 5, [40, 41] * 7]
     params = SamplingParams(n=2, max_tokens=40, temperature=0.0, ignore_eos=True)
     want = plain(ps, params)
-    core, checked = llm.core, 0
-    outs: dict[tuple[str, int], list[int]] = {}
-    for i, p in enumerate(ps):
-        core.add_request(f"n{i}", p, params)
-    while core.has_unfinished():
-        for out in core.step():
-            for d in out.deltas:
-                outs.setdefault((out.request_id, d.index), []).extend(d.token_ids)
-        checked += _check_draft_kv(proposer)
-    assert [outs[(f"n{i}", 0)] for i in range(len(ps))] == want
-    assert all(outs[(f"n{i}", 1)] == outs[(f"n{i}", 0)] for i in range(len(ps)))  # greedy twins
-    assert checked > 300
+    checks: list[int] = []
+    outs = run_requests(llm.core, ps, [params] * len(ps), lambda: checks.append(_check_draft_kv(proposer)))
+    assert [outs[(f"r{i}", 0)] for i in range(len(ps))] == want
+    assert all(outs[(f"r{i}", 1)] == outs[(f"r{i}", 0)] for i in range(len(ps)))  # greedy twins
+    assert sum(checks) > 300
     assert_no_leak(llm)

@@ -103,6 +103,21 @@ def step_through(core, ps: list[list[int]], params: SamplingParams):
         yield
 
 
+def run_requests(core, ps: list[list[int]], params: list[SamplingParams], each_step=None) -> dict:
+    """Add the prompts as requests r0, r1, ... (one params each) and step the engine core until
+    all are done, calling `each_step()` after every step; output ids by (request id, index)."""
+    for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
+        core.add_request(f"r{i}", p, sp)
+    outs: dict[tuple[str, int], list[int]] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            for d in out.deltas:
+                outs.setdefault((out.request_id, d.index), []).extend(d.token_ids)
+        if each_step is not None:
+            each_step()
+    return outs
+
+
 def trace_admissions(core) -> list[tuple[bool, bool]]:
     """Per launched step, filled as the engine runs: (it admits a prompt, it is chained)."""
     log: list[tuple[bool, bool]] = []
