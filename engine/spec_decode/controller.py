@@ -3,8 +3,8 @@
 Two one-line call sites:
   engine, after `scheduler.update`:     spec.after_step(sched, result, scheduler.running)
       (learns the step's acceptance, then sets `spec_token_ids` of the sequences that draft)
-  runner, when a step carries drafts:   argmax = spec.launch_greedy(logits, meta)  (launch)
-                                        result = spec.sample(logits, meta, groups, argmax)  (collect)
+  runner, when a step carries drafts:   draws = spec.launch_draws(logits, meta)  (launch)
+                                        result = spec.sample(logits, meta, groups, draws)  (collect)
 The scheduler schedules each draft as one more new token of its sequence and rolls the KV
 cache back (`KVCacheManager.truncate`) past the first rejected draft; the runner lays out
 k + 1 logits rows per verifying sequence.
@@ -166,9 +166,10 @@ class SpeculativeDecoder:
         self._known.discard(seq_id)
 
     # ---- runner: a step with verification groups ----------------------------------------------
-    def launch_greedy(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
-        """An all-greedy step's [N] argmax per row, enqueued at launch (None: not all greedy)."""
-        return self.verifier.launch_greedy(logits, meta)
+    def launch_draws(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """[N] a draw per row, enqueued at launch, where acceptance is matching drafts against
+        them: all greedy, or drafts without a distribution (n-gram); None: rejection sampling."""
+        return self.verifier.launch_draws(logits, meta, point_mass=not self._draft_probs)
 
     def feed_device_drafts(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> None:
         """Write drafts left on the device into a step's input ids [T] (their rows hold
@@ -218,7 +219,7 @@ class SpeculativeDecoder:
         logits: torch.Tensor,
         meta: SamplingMetadata,
         groups: Sequence[VerifyGroup],
-        argmax: HostTokenIds | None = None,  # launch_greedy's result on the host
+        draws: HostTokenIds | None = None,  # launch_draws' result on the host
     ) -> ModelRunnerOutput:
         """Tokens for every group of the step: accepted drafts + one, or one ordinary draw."""
         if self.device_drafts is not None:  # the groups were laid out over placeholders
@@ -227,7 +228,7 @@ class SpeculativeDecoder:
                 real = lists.get(g.seq_id)
                 if real is not None and g.draft_token_ids:
                     g.draft_token_ids = real[: len(g.draft_token_ids)]
-        return self.verifier.sample(logits, meta, groups, self._draft_probs, argmax)
+        return self.verifier.sample(logits, meta, groups, self._draft_probs, draws)
 
     # ---- engine: chained steps drafted by the draft model -----------------------------------------
     def reserve_chained_drafts(self, seq_ids, starts, ends, known=None):

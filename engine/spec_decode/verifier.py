@@ -9,11 +9,18 @@ output is token-for-token the non-speculative output and sampled output has exac
 distribution; groups without drafts reduce to one ordinary draw with the same seeded noise as
 `Sampler.draw`.
 
-An all-greedy step takes a host path: one argmax over the rows on the device, enqueued with its
-copy of [N] ids to the host when the step launches (`launch_greedy`, the runner's pinned copy
-and end event), and the acceptance decided on the host, with the same result as the rejection
-sampler's greedy path and no per-group tensors to stage: a Python prefix match for up to
-MAX_LISTED_GROUPS groups (fewer calls than numpy), else numpy (`greedy_num_accepted`).
+Drafts without a distribution (n-gram: q is a point mass on the draft) are verified by drawing
+every row as the plain sampler would (`Sampler.draw`, the row's own seeded noise) and accepting
+drafts while they equal the draws, then the first draw that differs (or the bonus). That is
+rejection sampling with a point-mass q: draft x survives with probability p(x) = min(1, p(x) /
+q(x)), and a draw that is not x is a sample of p without x, renormalized: normalize(max(0, p -
+q)). It is also the plain engine's own draw at each position, so a seeded request emits exactly
+the tokens it emits without speculation. Greedy rows are the special case (the draw is the
+argmax). These draws are enqueued with their copy of [N] ids to the host when the step launches
+(`launch_draws`, the runner's pinned copy and end event), and the acceptance decided on the host:
+a Python prefix match for up to MAX_LISTED_GROUPS groups (fewer calls than numpy), else numpy
+(`matched_tokens`). Drafts with a distribution q (a draft model's, sampled) take the
+rejection sampler.
 """
 
 from __future__ import annotations
@@ -47,13 +54,18 @@ class SpecVerifier:
         self.sampler = sampler
         self.rejection_sampler = rejection_sampler or RejectionSampler()
 
-    def launch_greedy(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
-        """[N] argmax per row of an all-greedy step, enqueued (None: some row samples)."""
-        if not meta.all_greedy:
+    def launch_draws(
+        self, logits: torch.Tensor, meta: SamplingMetadata, point_mass: bool = True
+    ) -> torch.Tensor | None:
+        """[N] the plain sampler's draw per row, enqueued: for an all-greedy step, or one whose
+        drafts have no distribution (`point_mass`); None: the rejection sampler decides."""
+        if meta.all_greedy:
+            # Penalties or bans edit the logits first; otherwise the raw argmax is the token.
+            processed = logits if is_plain_greedy(meta) else self.sampler.process(logits, meta)  # [N, V]
+            return argmax_rows(processed)
+        if not point_mass:
             return None
-        # Penalties or bans edit the logits first; otherwise the raw argmax is the token.
-        processed = logits if is_plain_greedy(meta) else self.sampler.process(logits, meta)  # [N, V]
-        return argmax_rows(processed)
+        return self.sampler.draw(self.sampler.process(logits, meta), meta)
 
     def sample(
         self,
@@ -61,19 +73,20 @@ class SpecVerifier:
         meta: SamplingMetadata,  # one entry per row
         groups: Sequence[VerifyGroup],
         draft_probs: Mapping[int, torch.Tensor] | None = None,  # seq_id -> [>= k, V] q; else point mass
-        argmax: HostTokenIds | None = None,  # launch_greedy's ids on the host; None: computed here
+        draws: HostTokenIds | None = None,  # launch_draws' ids on the host; None: computed here
     ) -> ModelRunnerOutput:
-        if meta.all_greedy:  # draft probabilities play no part in greedy acceptance
-            if argmax is None:
-                argmax = HostTokenIds(self.launch_greedy(logits, meta).cpu())
+        draft_probs = draft_probs or {}
+        if draws is None and (meta.all_greedy or not has_draft_probs(groups, draft_probs)):
+            draws = HostTokenIds(self.launch_draws(logits, meta).cpu())
+        if draws is not None:  # draws matched against the drafts (greedy, or q a point mass)
             if len(groups) <= MAX_LISTED_GROUPS:
-                return self._greedy_listed(logits, meta, groups, argmax)
+                return self._matched_listed(logits, meta, groups, draws)
             arrays = _GroupArrays.of(groups)  # built before waiting for the device
-            token_lists = greedy_tokens(argmax.numpy(), arrays)  # the step's one device sync
+            token_lists = matched_tokens(draws.numpy(), arrays)  # the step's one device sync
         else:
             arrays = _GroupArrays.of(groups)
             processed = self.sampler.process(logits, meta)  # [N, V]
-            inputs = _rejection_inputs(processed, meta, arrays, groups, draft_probs or {})
+            inputs = _rejection_inputs(processed, meta, arrays, groups, draft_probs)
             token_lists = self.rejection_sampler(inputs).to_lists()  # the step's one device sync
         logprobs = _logprobs(logits, meta, groups, token_lists)
         sampled = [
@@ -86,13 +99,13 @@ class SpecVerifier:
         return ModelRunnerOutput(sampled, num_drafts, num_accepted, num_verified_seqs=num_verified)
 
     @staticmethod
-    def _greedy_listed(
-        logits: torch.Tensor, meta: SamplingMetadata, groups: Sequence[VerifyGroup], argmax: HostTokenIds
+    def _matched_listed(
+        logits: torch.Tensor, meta: SamplingMetadata, groups: Sequence[VerifyGroup], draws: HostTokenIds
     ) -> ModelRunnerOutput:
-        """`sample` of an all-greedy step of few groups, in Python lists."""
+        """`sample` of matched draws for few groups, in Python lists."""
         num_drafts = sum(len(g.draft_token_ids) for g in groups)
         num_verified = sum(1 for g in groups if g.draft_token_ids)
-        token_lists = greedy_token_lists(argmax.numpy().tolist(), groups)  # the step's one device sync
+        token_lists = matched_token_lists(draws.numpy().tolist(), groups)  # the step's one device sync
         num_accepted = sum(len(t) for t in token_lists) - len(token_lists)
         if meta.max_num_logprobs < 0:
             sampled = [SampledTokens(g.seq_id, t) for g, t in zip(groups, token_lists, strict=True)]
@@ -104,24 +117,29 @@ class SpecVerifier:
         return ModelRunnerOutput(sampled, num_drafts, num_accepted, num_verified_seqs=num_verified)
 
 
-def greedy_tokens(argmax: np.ndarray, arrays: _GroupArrays) -> list[list[int]]:
-    """Emitted tokens per group of an all-greedy step: argmaxes [N] up to the first mismatch."""
-    target = argmax[arrays.index]  # [B, K + 1]
+def has_draft_probs(groups: Sequence[VerifyGroup], draft_probs: Mapping[int, torch.Tensor]) -> bool:
+    """Whether some group's drafts come with a distribution q (else each q is a point mass)."""
+    return bool(draft_probs) and any(g.seq_id in draft_probs for g in groups if g.draft_token_ids)
+
+
+def matched_tokens(draws: np.ndarray, arrays: _GroupArrays) -> list[list[int]]:
+    """Emitted tokens per group: the draws [N] up to the first one that differs from its draft."""
+    target = draws[arrays.index]  # [B, K + 1]
     num_tokens = greedy_num_accepted(target, arrays.draft_token_ids, arrays.num_drafts) + 1  # [B]
     return [row[:n] for row, n in zip(target.tolist(), num_tokens.tolist(), strict=True)]
 
 
-def greedy_token_lists(argmax: list[int], groups: Sequence[VerifyGroup]) -> list[list[int]]:
-    """`greedy_tokens` in plain Python: each group's argmaxes while its drafts equal them."""
+def matched_token_lists(draws: list[int], groups: Sequence[VerifyGroup]) -> list[list[int]]:
+    """`matched_tokens` in plain Python: each group's draws while its drafts equal them."""
     out = []
     for g in groups:
         row = g.first_row
-        tokens = [argmax[row]]
+        tokens = [draws[row]]
         for draft in g.draft_token_ids:
             if draft != tokens[-1]:
                 break
             row += 1
-            tokens.append(argmax[row])
+            tokens.append(draws[row])
         out.append(tokens)
     return out
 

@@ -108,9 +108,9 @@ class PendingStep:
     logits: torch.Tensor | None  # [N, V]
     sampled: SamplerOutput | None  # None: speculative rows, verified in collect()
     end: torch.cuda.Event | None = None  # after the last enqueued kernel; None: recorded in collect()
-    # Pinned copy of sampled.token_ids (or, speculative, of greedy_argmax), valid after `end`
+    # Pinned copy of sampled.token_ids (or, speculative, of draws), valid after `end`
     host_token_ids: torch.Tensor | None = None
-    greedy_argmax: torch.Tensor | None = None  # [N] an all-greedy verification's argmax per row
+    draws: torch.Tensor | None = None  # [N] a verification's draw per row, its drafts matched against them
     chain: ChainStep | None = None  # acceptance + next drafts decided on the device (device_chain.py)
     chain_steps: list[ChainStep] | None = None  # several device steps: each one's (`chain`: the last)
 
@@ -293,13 +293,14 @@ class ModelRunner:
             hidden, upcast=upcast, backend=self.config.attention_backend
         )  # [N, V]
         if speculative:
-            # All greedy: the argmax and its host copy are enqueued now, like a plain step's
-            # samples, so collect() only waits for them; otherwise rejection sampling in collect().
-            argmax = self.spec_decoder.launch_greedy(logits, meta)  # [N] or None
-            if argmax is None:
+            # All greedy or point-mass drafts (n-gram): each row's draw and its host copy are
+            # enqueued now, like a plain step's samples, so collect() only waits for them and
+            # matches the drafts; otherwise rejection sampling in collect().
+            draws = self.spec_decoder.launch_draws(logits, meta)  # [N] or None
+            if draws is None:
                 return PendingStep(start, rows, groups, meta, logits, None)
-            host_ids = self._to_host(argmax)
-            return PendingStep(start, rows, groups, meta, logits, None, self._gpu_event(), host_ids, argmax)
+            host_ids = self._to_host(draws)
+            return PendingStep(start, rows, groups, meta, logits, None, self._gpu_event(), host_ids, draws)
         sampled = self.sampler(logits, meta)
         host_ids = self._to_host(sampled.token_ids)
         return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event(), host_ids)
@@ -389,13 +390,13 @@ class ModelRunner:
         elif pending.meta is None:
             result = ModelRunnerOutput([])
         elif pending.sampled is None:
-            argmax = None
-            if pending.greedy_argmax is not None:
+            draws = None
+            if pending.draws is not None:
                 if pending.host_token_ids is None:
-                    argmax = HostTokenIds(pending.greedy_argmax)
+                    draws = HostTokenIds(pending.draws)
                 else:
-                    argmax = HostTokenIds(pending.host_token_ids, pending.end)
-            result = self.spec_decoder.sample(pending.logits, pending.meta, pending.groups, argmax)
+                    draws = HostTokenIds(pending.host_token_ids, pending.end)
+            result = self.spec_decoder.sample(pending.logits, pending.meta, pending.groups, draws)
             if pending.end is not None and pending.meta.max_num_logprobs >= 0:
                 # The end event was recorded at launch; logprob kernels ran since: busy, not idle.
                 pending.end = None

@@ -4,7 +4,8 @@ For a plain greedy step the runner keeps the LM head's output in the model dtype
 (`compute_logits(upcast=False)` when `is_plain_greedy`) and the verifier takes its argmax on the
 host path. Greedy speculative output must still be token for token plain decoding on fp32
 logits, and that fast path must really run: bf16 logits reach the verifier, which neither
-processes them nor calls the rejection sampler. Penalized and sampled steps get fp32 logits.
+processes them nor calls the rejection sampler. Penalized and sampled steps get fp32 logits;
+seeded sampling with n-gram drafts is token for token plain decoding too.
 """
 
 from __future__ import annotations
@@ -84,15 +85,19 @@ def fp32_logits_baseline(tiny_llama_dir) -> dict[str, list[list[int]]]:
     compute_logits = model.compute_logits
     model.compute_logits = lambda hidden, upcast=True, backend=None: compute_logits(hidden, True, backend)
     assert model.dtype == torch.bfloat16
-    out = {"greedy": generate(llm, GREEDY), "penalized": generate(llm, PENALIZED)}
+    out = {
+        "greedy": generate(llm, GREEDY),
+        "penalized": generate(llm, PENALIZED),
+        "sampled": generate(llm, SAMPLED),
+    }
     assert out["greedy"] != out["penalized"]  # penalties change tokens: skipping them would show
     return out
 
 
 def spy_on_verification(llm: LLM, monkeypatch) -> list[tuple[torch.dtype, frozenset[str]]]:
     """Per verification step: the logits' dtype and which verifier stages ran, from its launch
-    (launch_greedy, "argmax" when it enqueued one) to its collect (sample, "launched" when it got
-    that argmax; "host" for the host acceptance)."""
+    (launch_draws, "draws" when it enqueued them) to its collect (sample, "launched" when it got
+    those draws; "host" for the acceptance by matching on the host)."""
     spec = llm.core.runner.spec_decoder
     verifier = spec.verifier
     steps: list[tuple[torch.dtype, frozenset[str]]] = []
@@ -101,38 +106,41 @@ def spy_on_verification(llm: LLM, monkeypatch) -> list[tuple[torch.dtype, frozen
     def tracing(name: str, fn: Callable) -> Callable:
         return lambda *args: ran.add(name) or fn(*args)
 
-    for fn in ("greedy_tokens", "greedy_token_lists"):
+    for fn in ("matched_tokens", "matched_token_lists"):
         monkeypatch.setattr(verifier_module, fn, tracing("host", getattr(verifier_module, fn)))
     monkeypatch.setattr(verifier, "rejection_sampler", tracing("rejection", verifier.rejection_sampler))
     monkeypatch.setattr(verifier.sampler, "process", tracing("process", verifier.sampler.process))
-    launch_greedy, sample = spec.launch_greedy, spec.sample
+    launch_draws, sample = spec.launch_draws, spec.sample
 
     def launch_spy(logits, meta):
         ran.clear()
-        argmax = launch_greedy(logits, meta)
-        if argmax is not None:
-            ran.add("argmax")
-        return argmax
+        draws = launch_draws(logits, meta)
+        if draws is not None:
+            ran.add("draws")
+        return draws
 
-    def sample_spy(logits, meta, groups, argmax=None):
-        if argmax is not None:
+    def sample_spy(logits, meta, groups, draws=None):
+        if draws is not None:
             ran.add("launched")
-        out = sample(logits, meta, groups, argmax)
+        out = sample(logits, meta, groups, draws)
         steps.append((logits.dtype, frozenset(ran)))
         return out
 
-    monkeypatch.setattr(spec, "launch_greedy", launch_spy)
+    monkeypatch.setattr(spec, "launch_draws", launch_spy)
     monkeypatch.setattr(spec, "sample", sample_spy)
     return steps
 
 
 # Per run: the verification steps' logits dtype and verifier stages (one kind for every step).
-HOST = frozenset({"argmax", "launched", "host"})  # argmax enqueued at launch, acceptance on the host
+HOST = frozenset({"draws", "launched", "host"})  # draws enqueued at launch, matched on the host
 CASES = [
     ("greedy", GREEDY, (torch.bfloat16, HOST)),  # the fast path
     ("penalized", PENALIZED, (torch.float32, HOST | {"process"})),
-    ("sampled", SAMPLED, (torch.float32, frozenset({"process", "rejection"}))),
+    # n-gram drafts (point masses): each row drawn as plain decoding draws it, then matched
+    ("sampled", SAMPLED, (torch.float32, HOST | {"process"})),
 ]
+# A draft model's drafts come with q: the rejection sampler (its seeded tokens are not plain decoding's)
+DRAFT_SAMPLED = (torch.float32, frozenset({"process", "rejection"}))
 
 
 @pytest.mark.parametrize("build", [ngram, target_as_draft], ids=["ngram", "target-draft"])
@@ -143,10 +151,11 @@ def test_greedy_verification_skips_the_upcast_and_equals_fp32_plain_decoding(
     llm = build(tiny_llama_dir)
     steps = spy_on_verification(llm, monkeypatch)
     got = generate(llm, params)
-    if name in fp32_logits_baseline:
-        assert got == fp32_logits_baseline[name]
-    else:
+    if name == "sampled" and build is target_as_draft:
+        path = DRAFT_SAMPLED
         assert all(len(t) == params.max_tokens for t in got)
+    else:
+        assert got == fp32_logits_baseline[name]
     assert llm.core.spec_decoder.stats.num_accepted_tokens > 0
     assert steps and set(steps) == {path}
     kv = llm.core.scheduler.kv

@@ -1,4 +1,5 @@
-"""The embedded SmolLM2-135M with the n-gram proposer: greedy output identical to plain decoding.
+"""The embedded SmolLM2-135M with the n-gram proposer: greedy and seeded sampled output identical
+to plain decoding.
 
 One engine serves both runs: `use_speculation=False` per request gives the plain baseline, so
 the model loads once. The task (rewrite a given text with one change) is the repetitive kind
@@ -6,6 +7,8 @@ where prompt lookup pays: drafts must actually be accepted for the test to pass.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -47,5 +50,40 @@ def test_smollm2_ngram_greedy_is_identical_and_accepts_drafts(llm):
     assert got == expected
     stats = llm.core.spec_decoder.stats
     assert stats.acceptance_rate > 0.3 and stats.mean_accepted_length > 1.5, stats
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=32, temperature=0.7, seed=5),
+        SamplingParams(max_tokens=32, temperature=1.0, top_k=20, top_p=0.9, seed=6, n=2),
+        SamplingParams(
+            max_tokens=32, temperature=0.7, repetition_penalty=1.05, frequency_penalty=0.1, seed=7
+        ),
+    ],
+    ids=["temperature", "top-k-top-p-n2", "penalties"],
+)
+def test_smollm2_ngram_seeded_sampling_emits_the_plain_tokens(llm, params):
+    """n-gram drafts (a point-mass q) are verified by drawing every row as the plain sampler
+    does, with the row's seeded noise at its output position, and matching: a seeded request
+    emits exactly its tokens without speculation. (A rejection sampler would draw other noise
+    for the acceptance and the residual, and give other tokens.)"""
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TASKS]
+    plain = replace(params, use_speculation=False)
+    expected = [
+        [c.token_ids for c in o.completions]
+        for o in llm.generate(prompt_token_ids=prompts, sampling_params=plain)
+    ]
+    stats = llm.core.spec_decoder.stats
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    got = [
+        [c.token_ids for c in o.completions]
+        for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+    assert got == expected
+    drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert accepted >= 10, (drafted, accepted)  # several tokens a step came from the matching
     kv = llm.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks

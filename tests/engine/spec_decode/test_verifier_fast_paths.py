@@ -77,7 +77,7 @@ def test_greedy_host_path_equals_rejection_sampler(params, uniform, max_listed, 
 @pytest.mark.parametrize("num_logprobs", [None, 2])
 def test_listed_and_numpy_greedy_paths_and_a_launched_argmax_agree(num_logprobs, monkeypatch):
     """The Python-list acceptance (few groups) against the numpy one, each with the argmax
-    computed in sample() and with the one launch_greedy enqueued (as the runner passes it)."""
+    computed in sample() and with the one launch_draws enqueued (as the runner passes it)."""
     gen = torch.Generator().manual_seed(11)
     verifier = SpecVerifier(Sampler())
     params = SamplingParams(temperature=0.0, logprobs=num_logprobs)
@@ -89,7 +89,7 @@ def test_listed_and_numpy_greedy_paths_and_a_launched_argmax_agree(num_logprobs,
         outs = []
         for max_listed in (0, 100):
             monkeypatch.setattr(verifier_module, "MAX_LISTED_GROUPS", max_listed)
-            launched = HostTokenIds(verifier.launch_greedy(logits, meta))
+            launched = HostTokenIds(verifier.launch_draws(logits, meta))
             outs += [
                 verifier.sample(logits, meta, groups),
                 verifier.sample(logits, meta, groups, None, launched),
