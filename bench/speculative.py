@@ -2,7 +2,8 @@
 
 Each workload runs one engine; every row measures `use_speculation=False` requests (baseline:
 plain steps, planned ahead with async scheduling on CUDA as an engine without speculation runs
-them) and speculative ones on the same engine, same prompts, greedy, and checks the outputs match.
+them) and speculative ones on the same engine, same prompts, greedy (or seeded sampling,
+--temperature), and checks the outputs match.
   (a) ngram: the n-gram proposer on editing tasks with SmolLM2 (rewrite a given text with one
       substitution, or fix its typos: the output copies long spans of the prompt, what prompt
       lookup is made for; each answer ends at the model's EOS, at most --max-tokens);
@@ -83,11 +84,11 @@ def set_speculation(llm: LLM, config: SpeculativeConfig, num_blocks: int) -> Non
         spec.capture_cuda_graphs(runner.config.max_num_seqs)  # the draft model's steps
 
 
-def baseline(core, prompts: list[list[int]], greedy: SamplingParams):
+def baseline(core, prompts: list[list[int]], params: SamplingParams):
     """The plain run, its median plain decode step (ms), and how many of its steps were planned
     ahead (async scheduling: what an engine without speculation does on CUDA)."""
     ahead = core.num_lookahead_steps
-    base = run_engine_requests(core, prompts, replace(greedy, use_speculation=False))
+    base = run_engine_requests(core, prompts, replace(params, use_speculation=False))
     steps = sorted(s["ms"] for s in base.steps if s["pure_decode"])
     return base, steps[len(steps) // 2], core.num_lookahead_steps - ahead
 
@@ -106,11 +107,11 @@ def measure(
     base,
     base_step_ms: float,
     base_ahead: int,
-    greedy: SamplingParams,
+    request_params: SamplingParams,
     k: int,
 ) -> dict:
     spec = core.spec_decoder
-    params = replace(greedy, use_speculation=True)
+    params = replace(request_params, use_speculation=True)
     before = replace(spec.stats)
     timer = Timed(spec.proposer.propose)
     spec.proposer.propose = timer
@@ -225,15 +226,15 @@ def measure(
     }
 
 
-def refilled(core, pool: list[list[int]], batch: int, greedy: SamplingParams, speculate: bool):
+def refilled(core, pool: list[list[int]], batch: int, request_params: SamplingParams, speculate: bool):
     """Output lengths drawn per request (seeded: the same in both modes) from max_tokens / 2 to
     3 max_tokens / 2, as real traffic has them: plain decoding then also finishes and admits
     sequences at different steps, not all B at once."""
     rng = random.Random(len(pool))
-    max_tokens = greedy.max_tokens
+    max_tokens = request_params.max_tokens
     params = [
         replace(
-            greedy,
+            request_params,
             max_tokens=rng.randint(max(2, max_tokens // 2), 3 * max_tokens // 2),
             use_speculation=speculate,
         )
@@ -250,15 +251,22 @@ def run_workload(
     num_blocks: int,
     refill: int = 0,
     rounds: int = 1,
+    temperature: float = 0.0,
 ) -> list[dict]:
     """One row per (K, batch). Each row's plain run is measured right before its speculative run
     (not once per batch: the host's speed drifts over a run, and a plain step of a launch-bound
     model is host work); with rounds > 1 the pair is repeated and the round with the median
-    measured / theoretical ratio is the row (every round's ratio is recorded)."""
+    measured / theoretical ratio is the row (every round's ratio is recorded). `temperature` > 0:
+    every request samples, seeded (n-gram: the same tokens as plain decoding)."""
     core, rows = w.llm.core, []
     warm = w.prompts(1)
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=w.ignore_eos)
-    short = replace(greedy, max_tokens=8)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=1234 if temperature > 0 else None,
+        ignore_eos=w.ignore_eos,
+    )
+    short = replace(params, max_tokens=8)
     for k in ks:
         set_speculation(w.llm, w.spec_config(k), num_blocks)
         baseline(core, warm, short)  # warm-up: allocator, kernels, first-call costs
@@ -271,7 +279,7 @@ def run_workload(
                 core, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
             )
             trials = [
-                measure(core, prompts, *baseline(core, prompts, greedy), greedy, k) for _ in range(rounds)
+                measure(core, prompts, *baseline(core, prompts, params), params, k) for _ in range(rounds)
             ]
             trials.sort(key=lambda r: r["measured_over_theoretical"])
             row = trials[len(trials) // 2]
@@ -280,10 +288,10 @@ def run_workload(
             row["rounds_full_batch_over_theoretical"] = [r["full_batch_over_theoretical"] for r in trials]
             if refill:
                 pool = w.prompts(refill * batch)
-                plain_loop = refilled(core, pool, batch, greedy, False)
+                plain_loop = refilled(core, pool, batch, params, False)
                 before = replace(core.spec_decoder.stats)
                 steps0, chained0 = core._step, core.num_chained_steps
-                fast_loop = refilled(core, pool, batch, greedy, True)
+                fast_loop = refilled(core, pool, batch, params, True)
                 alpha = alpha_since(before, core.spec_decoder.stats, k)
                 theory = theoretical_speedup(alpha, k, row["c"])
                 row.update(refilled_row(plain_loop, fast_loop, alpha, theory))
@@ -359,6 +367,12 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         help="draft model, greedy: drafts stay on the device and feed the verification there",
     )
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: every request samples at it, seeded (0: greedy)",
+    )
+    parser.add_argument(
         "--device-chain-steps",
         type=int,
         default=SpeculativeConfig.device_chain_steps,
@@ -388,7 +402,9 @@ def main() -> None:
             print(f"{name}: skipped, the model could not be built: {type(exc).__name__}: {exc}", flush=True)
             results["workloads"][name] = {"skipped": f"{type(exc).__name__}: {exc}", "rows": []}
             continue
-        rows = run_workload(w, batches, ks, args.max_tokens, args.num_blocks, args.refill, args.rounds)
+        rows = run_workload(
+            w, batches, ks, args.max_tokens, args.num_blocks, args.refill, args.rounds, args.temperature
+        )
         results["workloads"][name] = {
             **w.info,
             "rows": rows,
@@ -414,7 +430,8 @@ def _machine(args) -> dict:
         "smollm2_model": args.model,
         "ks": args.ks,
         "max_tokens": args.max_tokens,
-        "greedy": True,
+        "greedy": args.temperature == 0,
+        "temperature": args.temperature,
         "device_chain": args.device_chain,
         "device_chain_steps": args.device_chain_steps,
         "device_drafts": args.device_drafts,

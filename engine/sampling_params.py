@@ -54,10 +54,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def is_history_free(self) -> bool:
+        """Each token is drawn from its own row's logits (temperature, top-k / top-p / min-p, a
+        seed and the output position) with nothing that reads the tokens before it: no penalties,
+        no min_tokens bans (which lift at a later position). What an n-gram chained step samples."""
+        return not self.has_penalties and self.min_tokens == 0
+
+    @property
     def is_plain_greedy(self) -> bool:
-        """Every token is the raw logits' argmax: greedy, no penalties, no min_tokens bans (which
-        could only lift at later positions). What a draft on the device or a chained step decides."""
-        return self.temperature == 0.0 and not self.has_penalties and self.min_tokens == 0
+        """Every token is the raw logits' argmax: greedy and history-free. What a draft on the
+        device decides, and what a draft model's chained step verifies."""
+        return self.temperature == 0.0 and self.is_history_free
 
     def validate(self) -> None:
         checks = [

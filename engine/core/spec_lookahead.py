@@ -39,9 +39,15 @@ from pagedinfer.engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedinfer.engine.request import RequestStatus
+from pagedinfer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedinfer.engine.core.scheduler import Scheduler
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """A draft model's chained step rides greedy requests only (its drafts are argmaxes)."""
+    return params.is_plain_greedy
 
 
 def plan_spec_lookahead(
@@ -51,6 +57,7 @@ def plan_spec_lookahead(
     max_device_steps: int = 1,
     reserve_drafts: Callable[..., Callable[[], None] | None] | None = None,
     may_chain: Callable[[list], bool] | None = None,
+    may_ride: Callable[[SamplingParams], bool] = is_plain_greedy,
 ) -> SchedulerOutput | None:
     """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
     steps of K drafts a sequence, each fed by the one before.
@@ -63,7 +70,8 @@ def plan_spec_lookahead(
 
     Waiting requests the synchronous step would admit are admitted into the chained step behind
     its chained rows (prefill chunks with real inputs; one device step), where they may ride
-    (`may_join`, and `may_chain(running)` after them: the chain's capacity and policy); else the
+    (`may_join` with `may_ride`, the sampling a chained step can decide on the device, and
+    `may_chain(running)` after them: the chain's capacity and policy); else the
     chain ends, and the synchronous step admits them."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
@@ -136,7 +144,7 @@ def plan_spec_lookahead(
             raise
         if (
             not admitted
-            or not may_join(scheduler, admitted)
+            or not may_join(scheduler, admitted, may_ride)
             or (may_chain and not may_chain(scheduler.running))
         ):
             _unadmit(scheduler, admitted, undo_drafts)
@@ -232,14 +240,18 @@ def record_device_inputs(scheduler: Scheduler, sched: SchedulerOutput, result: M
         scheduler.kv.set_tokens(s.seq_id, s.num_computed_tokens, [s.token_ids[0], *tokens[:-1]])
 
 
-def may_join(scheduler: Scheduler, admitted: list[ScheduledSequence]) -> bool:
+def may_join(
+    scheduler: Scheduler,
+    admitted: list[ScheduledSequence],
+    may_ride: Callable[[SamplingParams], bool] = is_plain_greedy,
+) -> bool:
     """Whether prompts admitted into a chained step may ride in it: the device decides their first
-    token by argmax like every chained row's (plain greedy: no penalties, min_tokens bans or
-    logprobs; speculating), and none forks."""
+    token like every chained row's (`may_ride`: plain greedy, or history-free sampling for n-gram
+    chains; no logprobs; speculating), and none forks."""
     for a in admitted:
         seq = scheduler._by_seq_id[a.seq_id]
         p = seq.sampling_params
-        if seq.pending_children or not (p.is_plain_greedy and p.logprobs is None and p.use_speculation):
+        if seq.pending_children or not (may_ride(p) and p.logprobs is None and p.use_speculation):
             return False
     return True
 

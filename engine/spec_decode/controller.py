@@ -25,6 +25,7 @@ from pagedinfer.engine.core.scheduler_output import (
 from pagedinfer.engine.request import Request, RequestStatus
 from pagedinfer.engine.sample.metadata import SamplingMetadata
 from pagedinfer.engine.sample.sampler import Sampler
+from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
 from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
 from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftRequest, Proposer
@@ -76,7 +77,7 @@ class SpeculativeDecoder:
 
     def may_chain(self, running: Sequence[Request]) -> bool:
         """Whether steps over `running` may be chained on the device (spec_decode/device_chain.py):
-        every sequence speculates and none is paused. The runner checks the sampling (all greedy)."""
+        every sequence speculates and none is paused. The runner checks the sampling (`may_ride_chain`)."""
         return (
             self.device_chain is not None
             and len(running) <= self.device_chain.max_seqs
@@ -86,6 +87,19 @@ class SpeculativeDecoder:
                 for seq in running
             )
         )
+
+    @property
+    def chain_samples(self) -> bool:
+        """Whether chained steps may sample (history-free sampling; see `may_ride_chain`): n-gram
+        drafts are point masses, verified by matching the rows' draws. A draft model's chain
+        verifies greedy drafts, which a sampled request would reject far more often than drafts
+        sampled with its own parameters: its sampled requests stay synchronous."""
+        return self.device_chain is not None and self.chain_drafter is None
+
+    def may_ride_chain(self, params: SamplingParams) -> bool:
+        """Whether a request's sampling can be decided on the device in a chained step (logprobs
+        and `use_speculation` are checked apart)."""
+        return params.is_history_free if self.chain_samples else params.is_plain_greedy
 
     def propose(self, running: Sequence[Request]) -> int:
         """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""

@@ -275,7 +275,7 @@ class ModelRunner:
         start, rows, groups = fwd.start, fwd.rows, fwd.groups
         if not rows:
             return PendingStep(start, rows, groups, None, None, None)
-        if fwd.fed_chain is not None:  # all plain greedy, as the chain's first step was
+        if fwd.fed_chain is not None:  # sampling its chain's first step allowed (may_ride_chain)
             return self._launch_chained(fwd, None)
         # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
         eos = [self.config.eos_token_ids] * len(rows)
@@ -306,19 +306,21 @@ class ModelRunner:
         return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event(), host_ids)
 
     def _launch_chained(self, fwd: LaunchedForward, meta: SamplingMetadata | None) -> PendingStep | None:
-        """`launch_sampling` deciding on the device: the argmax of every row, acceptance, the next
-        drafts (spec_decode/device_chain.py). None when the step does not allow it; `meta` None:
-        a chained step (checked when its chain started)."""
+        """`launch_sampling` deciding on the device: every row's draw (the argmax when all are
+        plain greedy), acceptance by matching the drafts, the next drafts
+        (spec_decode/device_chain.py). None when the step does not allow it; `meta` None: a
+        chained step (its sampling was checked when its chain started, or the prompts it admitted
+        joined)."""
         chain = getattr(self.spec_decoder, "device_chain", None)
         rows, groups = fwd.rows, fwd.groups
         if meta is not None and (
-            chain is None
-            or not is_plain_greedy(meta)
-            or meta.max_num_logprobs >= 0
-            or len(groups) > chain.max_seqs
+            chain is None or not self._chain_may_decide(meta) or len(groups) > chain.max_seqs
         ):
             return None
-        logits, argmax = self._greedy(fwd.hidden, fwd.logits_indices)
+        draw_meta, seeded = meta, None
+        if fwd.fed_chain is not None:
+            draw_meta, seeded = self._chained_metadata(fwd, chain.k + 1)
+        logits, argmax = self._chain_draws(fwd.hidden, fwd.logits_indices, draw_meta, seeded, chain)
         first_rows = [g.first_row for g in groups]
         if fwd.fed_chain is None:  # a chain's first step: the histories are the host's tokens
             chain.start(
@@ -341,7 +343,8 @@ class ModelRunner:
         for _ in range(1, fwd.num_device_steps):  # each fed by the one before, on the device
             b = self.batch
             chain.feed(step, b.ids, b.pos, b.slots, b.seq_lens, b.block_tables, self.config.block_size)
-            _, argmax = self._greedy(self._run_model(fwd.inputs, fwd.graph), fwd.logits_indices)
+            hidden = self._run_model(fwd.inputs, fwd.graph)
+            _, argmax = self._chain_draws(hidden, fwd.logits_indices, draw_meta, seeded, chain)
             step = chain.accept(argmax, first_rows, None, step, copy=False)
             steps.append(step)
         if len(steps) > 1:
@@ -362,14 +365,62 @@ class ModelRunner:
         tokens = drafts.tokens.index_select(0, index.to(drafts.tokens.device, non_blocking=True))
         return torch.nn.functional.pad(tokens, (0, k - tokens.shape[1]))
 
-    def _greedy(
-        self, hidden: torch.Tensor, logits_indices: torch.Tensor
+    def _chain_may_decide(self, meta: SamplingMetadata) -> bool:
+        """Whether a step's sampling can be decided on the device and its chain go on without the
+        host: no logprobs, nothing that reads earlier tokens (penalties, bans), and greedy unless
+        the chain samples (n-gram: SpeculativeDecoder.chain_samples)."""
+        if meta.penalties is not None or meta.ban_rows is not None or meta.max_num_logprobs >= 0:
+            return False
+        return meta.all_greedy or self.spec_decoder.chain_samples
+
+    def _chained_metadata(
+        self, fwd: LaunchedForward, q: int
+    ) -> tuple[SamplingMetadata | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A chained step's sampling metadata, one entry per logits row (each chained sequence's
+        row K + 1 times, then the admitted prompts'), or None when every row is plain greedy; and
+        for seeded rows, their chain row and offset [S] each: a seeded row's output position is
+        its chain row's history length on the device (not yet on the host) - its prompt + j."""
+        rows = fwd.rows
+        if all(r.sampling_params.is_greedy for r in rows):
+            return None, None
+        num_fed = int(fwd.fed_chain.packed.shape[0])
+        expanded = [r for r in rows[:num_fed] for _ in range(q)] + list(rows[num_fed:])
+        meta = self.sampling_metadata.build(expanded, [self.config.eos_token_ids] * len(expanded))
+        chain_rows: list[int] = []
+        offsets: list[int] = []
+        for i, r in enumerate(expanded):  # the builder's seeded rows, in its order
+            if r.seed is None or r.sampling_params.is_greedy:
+                continue
+            b, j = divmod(i, q) if i < num_fed * q else (i - num_fed * q + num_fed, 0)
+            chain_rows.append(b)
+            offsets.append(j - len(r.prompt_token_ids))
+        if not chain_rows:
+            return meta, None
+        pin = self.config.device.type == "cuda"
+        staged = torch.tensor([chain_rows, offsets], dtype=torch.int64, pin_memory=pin)
+        staged = staged.to(self.config.device, non_blocking=True)
+        return meta, (staged[0], staged[1])
+
+    def _chain_draws(
+        self,
+        hidden: torch.Tensor,
+        logits_indices: torch.Tensor,
+        meta: SamplingMetadata | None,
+        seeded: tuple[torch.Tensor, torch.Tensor] | None,
+        chain,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [N, V] (the GEMM's dtype) and their argmax [N] at the sampled rows."""
+        """Logits [N, V] (the GEMM's dtype) at the sampled rows and each row's draw [N]: the
+        argmax when every row is plain greedy (`meta` None or so), else the plain sampler's
+        draw, seeded rows at output positions read from the chain's histories."""
         logits = self.model.compute_logits(
             hidden[logits_indices], upcast=False, backend=self.config.attention_backend
         )
-        return logits, argmax_rows(logits, self.config.attention_backend)
+        if meta is None or is_plain_greedy(meta):
+            return logits, argmax_rows(logits, self.config.attention_backend)
+        if seeded is not None:  # this device step's histories: the step before's tokens appended
+            chain_rows, offsets = seeded
+            meta.positions = chain.history_len.index_select(0, chain_rows).to(torch.int64) + offsets
+        return logits, self.sampler.draw(self.sampler.process(logits, meta), meta)
 
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """On CUDA a non-blocking copy into pinned memory, ordered before the step's end event:

@@ -230,3 +230,31 @@ def test_a_queue_admitted_into_chained_steps_matches_plain_greedy(tiny_llama_dir
     if method == "draft":
         draft_kv = llm.core.spec_decoder.proposer.kv
         assert draft_kv.num_free_blocks == draft_kv.num_blocks
+
+
+@pytest.mark.parametrize(("graphs", "device_steps"), [(True, 1), (False, 1), (True, 4)])
+def test_seeded_sampling_in_ngram_chains_matches_plain(tiny_llama_dir, graphs, device_steps):
+    """Seeded sampled requests (temperature, top-k / top-p) beside greedy ones, chained on the
+    device and admitted into chained steps (3 seats): every row drawn with its seeded noise at the
+    output position the device's histories give, so the tokens are the plain engine's."""
+    plain = make_llm(tiny_llama_dir, graphs=graphs)
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6, [11, 12] * 12]
+    mix = [
+        SamplingParams(max_tokens=20, temperature=0.4, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.8, top_k=5, top_p=0.9, seed=12, ignore_eos=True),
+        SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True),
+    ]
+    params = [mix[i % len(mix)] for i in range(len(ps))]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    spec = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=3,
+        ngram_max=3,
+        min_acceptance_rate=0.0,
+        device_chain_steps=device_steps,
+    )
+    llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True, max_num_seqs=3)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
+    assert llm.core.num_chained_steps > 10
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks

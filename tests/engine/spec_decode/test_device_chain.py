@@ -16,6 +16,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     generate,
     greedy_workload,
     make_llm,
+    prompts,
     run_requests,
     trace_admissions,
 )
@@ -309,20 +310,9 @@ def test_a_queue_is_admitted_into_chained_steps(tiny_llama_dir, plain, seed, dev
     assert_no_leak(llm)
 
 
-def test_a_request_that_samples_is_not_admitted_into_a_chain(tiny_llama_dir, plain):
-    """A chained step decides every row by argmax on the device: a waiting request that samples
-    (temperature > 0, seeded) or asks for logprobs ends the chain instead, and the synchronous
-    step admits it. Its tokens equal the plain engine's for the same seed."""
-    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
-    with_logprobs = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
-    ps = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8, [40, 41, 42] * 5, [7, 8] * 6]
-    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)  # r2 waits for its seat
-    params = [greedy, short, sampled, with_logprobs]
-    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
-    llm = chained(tiny_llama_dir, unpaused(1), max_num_seqs=2)
-    core = llm.core
-    in_chains: set[str] = set()  # requests that had rows in a chained step
+def _trace_chained_requests(core) -> set[str]:
+    """Filled as the engine runs: the request ids that had rows in a chained step."""
+    in_chains: set[str] = set()
     launch = core.runner.launch_forward
 
     def traced(sched, *args, **kwargs):
@@ -332,6 +322,51 @@ def test_a_request_that_samples_is_not_admitted_into_a_chain(tiny_llama_dir, pla
         return launch(sched, *args, **kwargs)
 
     core.runner.launch_forward = traced
-    assert _run(core, ps, params) == want
-    assert {"r0", "r1"} <= in_chains and not {"r2", "r3"} & in_chains, in_chains
+    return in_chains
+
+
+def test_only_history_free_sampling_is_admitted_into_a_chain(tiny_llama_dir, plain):
+    """A chained n-gram step draws every row on the device as the plain sampler would: a waiting
+    request that samples (temperature > 0, seeded) joins it, one that asks for logprobs or has
+    penalties (they read the tokens before, still on the device) ends the chain instead, and the
+    synchronous step admits it. Every request's tokens equal the plain engine's (same seeds)."""
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)
+    ps = [[5, 6, 7, 8, 9] * 4, [11, 12] * 8, [40, 41, 42] * 5, [7, 8] * 6, [9, 10] * 6]
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)  # r2 waits for its seat
+    params = [greedy, short, sampled, with_logprobs, penalized]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    llm = chained(tiny_llama_dir, unpaused(1), max_num_seqs=2)
+    in_chains = _trace_chained_requests(llm.core)
+    assert _run(llm.core, ps, params) == want
+    assert {"r0", "r1", "r2"} <= in_chains and not {"r3", "r4"} & in_chains, in_chains
+    assert_no_leak(llm)
+
+
+SAMPLED_MIX = [
+    SamplingParams(max_tokens=28, temperature=0.4, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.8, top_k=5, top_p=0.9, seed=12, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.3, min_p=0.1, seed=13, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize(("device_steps", "max_num_seqs"), [(1, 8), (4, 8), (1, 3), (4, 3)])
+def test_seeded_sampling_in_chains_is_the_plain_output(tiny_llama_dir, plain, device_steps, max_num_seqs):
+    """Seeded sampled requests (temperature, top-k / top-p / min-p) with greedy ones, chained on
+    the device, several device steps a launch, and (3 seats) admitted into chained steps: each
+    row is drawn with its seeded noise at an output position read from the device's histories,
+    so every request's tokens equal the plain engine's. Drafts are accepted; nothing leaks."""
+    ps = prompts(4, seed=9) + prompts(3, seed=10)
+    params = [SAMPLED_MIX[i % len(SAMPLED_MIX)] for i in range(len(ps))]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    llm = chained(tiny_llama_dir, unpaused(device_steps), max_num_seqs=max_num_seqs)
+    in_chains = _trace_chained_requests(llm.core)
+    assert _run(llm.core, ps, params) == want
+    sampled = {f"r{i}" for i, p in enumerate(params) if p.temperature > 0}
+    assert sampled <= in_chains, in_chains
+    assert llm.core.num_chained_steps >= 10
+    assert llm.core.spec_decoder.stats.num_accepted_tokens > 0
     assert_no_leak(llm)

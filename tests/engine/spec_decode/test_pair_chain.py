@@ -296,6 +296,33 @@ def test_an_admitted_prompt_joins_the_chain_at_once(tiny_llama_dir, plain, seed,
     assert_no_leak(llm)
 
 
+def test_a_sampled_request_stays_out_of_the_pairs_chains(tiny_llama_dir):
+    """A draft model's chained step verifies greedy drafts: a sampled request would reject them
+    far more often than drafts sampled with its own parameters (the synchronous pair's), so it
+    neither starts a chain nor joins one (SpeculativeDecoder.may_ride_chain). Greedy requests
+    around it still chain; nothing leaks."""
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)  # r2 waits for its seat
+    sampled = SamplingParams(max_tokens=12, temperature=0.7, seed=3, ignore_eos=True)
+    ps = prompts(2, seed=2)  # (+ 2 repetitive ones)
+    llm = _pair(tiny_llama_dir, True, max_num_seqs=2)
+    core = llm.core
+    in_chains: set[str] = set()
+    launch = core.runner.launch_forward
+
+    def traced(sched, *args, **kwargs):
+        if sched.feeds_drafts:
+            by_seq_id = core.scheduler._by_seq_id
+            in_chains.update(by_seq_id[s.seq_id].request_id for s in sched.sequences if s.seq_id in by_seq_id)
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch_forward = traced
+    outs = run_requests(core, ps, [greedy, short, sampled, greedy])
+    assert [len(outs[(f"r{i}", 0)]) for i in range(4)] == [30, 6, 12, 30]
+    assert "r0" in in_chains and "r2" not in in_chains, in_chains
+    assert_no_leak(llm)
+
+
 def _add_greedy(core, ps: list[list[int]]) -> list[str]:
     """Requests a0, a1, ... of 40 greedy tokens each; their ids."""
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
