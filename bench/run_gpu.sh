@@ -128,6 +128,13 @@ probe spec_ngram_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR
 probe spec_ngram_chain1 "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_chain1" --workloads ngram \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 \
   --device-chain-steps 1
+# n-gram with seeded sampling (temperature 0.7; the same tokens as plain decoding): chained on the
+# device (each row drawn there, drafts matched against the draws), then every step synchronous
+probe spec_ngram_sampled "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_sampled" --workloads ngram \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 --temperature 0.7
+probe spec_ngram_sampled_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_sampled_sync" \
+  --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 \
+  --temperature 0.7 --refill 0 --device-chain off
 # the pair again with every speculative step synchronous (draft steps not chained on the device)
 probe spec_pair_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_pair_sync" \
   --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --device-chain off
