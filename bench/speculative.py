@@ -364,7 +364,7 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "--device-drafts",
         choices=("on", "off"),
         default="on",
-        help="draft model, greedy: drafts stay on the device and feed the verification there",
+        help="draft model (greedy, or sampled without penalties): drafts stay on the device and feed the verification there",
     )
     parser.add_argument(
         "--temperature",

@@ -94,8 +94,9 @@ class SpeculativeConfig:
     # on the device; the host plans and applies them as one step): the host's per-step work is
     # what bounds a small model's step. 1: one chained step per host pass. (draft: always 1)
     device_chain_steps: int = 4
-    # draft model, plain greedy batches: drafts stay on the device and feed the verification's
-    # inputs there (no host sync per draft step; the verification is staged while they run)
+    # draft model, batches without penalties or min_tokens bans (greedy or sampled): drafts stay on
+    # the device and feed the verification's inputs there (no host sync per draft step; the
+    # verification is staged while they run; sampled drafts keep their q there too)
     device_drafts: bool = True
 
 

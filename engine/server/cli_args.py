@@ -69,8 +69,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--speculative-device-drafts",
         action=argparse.BooleanOptionalAction,
         default=SpeculativeConfig.device_drafts,
-        help="draft model: greedy drafts stay on the device and feed the verification there "
-        "(off: the host reads each draft step's tokens)",
+        help="draft model: drafts (greedy, or sampled without penalties) stay on the device and "
+        "feed the verification there (off: the host reads each draft step's tokens)",
     )
     eng.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

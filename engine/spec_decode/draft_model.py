@@ -148,7 +148,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         self.resolve()  # (a chain's records are settled before any proposal: `end_chains`)
-        if self.device_drafts and requests and all(r.row.sampling_params.is_plain_greedy for r in requests):
+        if self.device_drafts and requests and all(r.row.sampling_params.is_history_free for r in requests):
             return self._propose_on_device(requests)
         num_reqs = len(requests)
         k_max = min(self.num_speculative_tokens, max((r.max_draft_tokens for r in requests), default=0))
@@ -179,11 +179,16 @@ class DraftModelProposer:
         return DraftProposals(token_ids=drafts, probs=probs)
 
     def _propose_on_device(self, requests: Sequence[DraftRequest]) -> DraftProposals:
-        """`propose` for plain greedy requests without waiting for the device: each draft step's
-        input is the argmax of the step before, on the device; the drafts [R, K] stay there (the
-        runner writes them into the verification's inputs) and one host copy is enqueued."""
+        """`propose` for history-free requests (no penalties or min_tokens bans: nothing reads the
+        drafts before a row) without waiting for the device: each draft step's input is the draw
+        of the step before, on the device (plain greedy: its argmax); the drafts [R, K] stay there
+        (the runner writes them into the verification's inputs) and one host copy is enqueued.
+        Sampled rows are drawn as `_sample` draws them (the same seeded noise: the same drafts),
+        and their distributions q stay on the device for the verification's rejection sampler."""
         num_reqs = len(requests)
         k_max = min(self.num_speculative_tokens, max(r.max_draft_tokens for r in requests))
+        greedy = all(r.row.sampling_params.is_greedy for r in requests)
+        probs = None  # [R, K, V] q of sampled requests (None: all greedy, q plays no part)
         cuda = self.device.type == "cuda"
         timed = cuda and self.record_device_times
         start = torch.cuda.Event(enable_timing=True) if timed else None
@@ -208,13 +213,24 @@ class DraftModelProposer:
             seq_ids = [requests[b].seq_id for b in active]
             num_new = [len(self._seqs[s].cached_ids) - self._computed[s] for s in seq_ids]
             logits = self._forward(seq_ids, num_new, fed=prev if step > 0 else None)  # [A, V]
-            prev = argmax_rows(logits, self.backend)  # [A]
+            q = None
+            if greedy:
+                prev = argmax_rows(logits, self.backend)  # [A]
+            else:
+                prev, q = self._draw(logits, [requests[b] for b in active], step)
+                if probs is None:
+                    probs = torch.zeros(
+                        (num_reqs, k_max, self.vocab_size), dtype=torch.float32, device=self.device
+                    )
             if len(active) == num_reqs:
                 tokens[:, step] = prev
+                if q is not None:
+                    probs[:, step] = q
             else:
-                tokens[torch.tensor(active, dtype=torch.int64).to(self.device, non_blocking=True), step] = (
-                    prev
-                )
+                index = torch.tensor(active, dtype=torch.int64).to(self.device, non_blocking=True)
+                tokens[index, step] = prev
+                if q is not None:
+                    probs[index, step] = q
             for b in active:
                 counts[b] += 1
         for request in requests:
@@ -230,7 +246,7 @@ class DraftModelProposer:
         drafts = DeviceDrafts(tokens, rows, counts, host, ready, start)
         self._unresolved = drafts
         return DraftProposals(
-            token_ids=[[PLACEHOLDER_TOKEN_ID] * n for n in counts], probs=None, device=drafts
+            token_ids=[[PLACEHOLDER_TOKEN_ID] * n for n in counts], probs=probs, device=drafts
         )
 
     def resolve(self) -> None:
@@ -596,6 +612,20 @@ class DraftModelProposer:
         if fed is None:
             self.kv.mark_computed(seq_ids, [self._computed[s] for s in seq_ids])
         return _fit_vocab(logits, self.vocab_size)
+
+    def _draw(
+        self, logits: torch.Tensor, requests: list[DraftRequest], step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_sample` of history-free requests on the device: the drafts [A] at each row's output
+        position + step (the draft ids before it are not needed: no penalties) and q [A, V]."""
+        rows = [dataclasses.replace(r.row, output_position=r.row.output_position + step) for r in requests]
+        meta = build_sampling_metadata(
+            rows, self.vocab_size, self.device, [r.eos_token_ids for r in requests]
+        )
+        processed = self.sampler.process(logits, meta)  # [A, V]
+        if meta.seeds is not None:
+            meta.seeds = meta.seeds ^ _DRAFT_SALT
+        return self.sampler.draw(processed, meta), processed.softmax(dim=-1)
 
     def _sample(
         self, logits: torch.Tensor, requests: list[DraftRequest], drafts: list[list[int]]

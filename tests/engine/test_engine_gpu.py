@@ -258,3 +258,31 @@ def test_seeded_sampling_in_ngram_chains_matches_plain(tiny_llama_dir, graphs, d
     assert llm.core.num_chained_steps > 10
     kv = llm.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_sampled_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
+    """Seeded sampled requests with a draft model: drafts drawn on the device (each step fed by
+    the draw before, q kept there for the rejection sampler) are the drafts the host draws step
+    by step, so the tokens and the verifications are the same."""
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6]
+    params = [
+        SamplingParams(max_tokens=8 + 3 * i, temperature=0.7, top_k=8, seed=i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    results = []
+    for device_drafts in (True, False):
+        spec = SpeculativeConfig(
+            method="draft",
+            draft_model="self:first=1",
+            num_speculative_tokens=3,
+            device_drafts=device_drafts,
+            device_chain=False,
+        )
+        llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=False)
+        outs = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+        stats = llm.core.spec_decoder.stats
+        results.append((outs, stats.num_draft_tokens, stats.num_accepted_tokens))
+        kv = llm.core.scheduler.kv
+        assert kv.num_free_blocks == kv.num_blocks
+    assert results[0] == results[1] and results[0][2] > 0

@@ -1,4 +1,5 @@
-"""Greedy draft-model drafts left on the device (spec_decode/draft_model.py `_propose_on_device`,
+"""Draft-model drafts left on the device (spec_decode/draft_model.py `_propose_on_device`; greedy,
+and sampled without penalties, q kept there too;
 SpeculativeDecoder.feed_device_drafts / record_device_drafts): the draft steps feed each other and
 the verification's inputs on the device, the host learns the ids after the verification. Same
 tokens and the same verifications as drafts read by the host, and every record ends right."""
@@ -73,6 +74,38 @@ def test_device_drafts_verify_the_same_drafts_as_host_drafts(
     assert host[0] == want and device[0] == want
     assert host[2] == 0 and device[2] > 0  # the device path ran, and only there
     assert device[1] == host[1] and host[1][1] > 0  # drafts, accepted, verifications
+
+
+SAMPLED = [
+    SamplingParams(max_tokens=20, temperature=0.7, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=1.0, top_k=6, top_p=0.9, seed=4, ignore_eos=True),
+    SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.5, min_p=0.05, seed=5, ignore_eos=True, n=2),
+]
+
+
+@pytest.mark.parametrize(("draft_layers", "draft_blocks"), [(1, 128), (None, 128), (1, 10)])
+def test_sampled_drafts_on_the_device_are_the_host_drafts(tiny_llama_dir, draft_layers, draft_blocks):
+    """Seeded sampled requests (with a greedy one): each draft drawn on the device with the noise
+    the host path draws it with, its q kept there for the rejection sampler. The same drafts,
+    hence the same verifications and the same tokens as drafts read by the host."""
+    ps = prompts(2, seed=4)
+    params = [SAMPLED[i % len(SAMPLED)] for i in range(len(ps))]
+    host = _run(tiny_llama_dir, ps, params, False, draft_layers, draft_blocks)
+    device = _run(tiny_llama_dir, ps, params, True, draft_layers, draft_blocks)
+    assert device[0] == host[0]
+    assert host[2] == 0 and device[2] > 0  # the device path ran, and only there
+    assert device[1] == host[1] and host[1][1] > 0  # drafts, accepted, verifications
+
+
+def test_penalties_keep_the_drafts_on_the_host(tiny_llama_dir):
+    """A row whose sampling reads the drafts before it (penalties) cannot be drawn on the device
+    before they are known there as ids: the host drafts that batch."""
+    ps = prompts(1, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=6, ignore_eos=True)
+    host = _run(tiny_llama_dir, ps, params, False)
+    device = _run(tiny_llama_dir, ps, params, True)
+    assert device[0] == host[0] and device[2] == 0
 
 
 def test_the_draft_cache_records_the_fed_drafts(tiny_llama_dir):
