@@ -57,7 +57,9 @@ class SamplingParams:
     def is_history_free(self) -> bool:
         """Each token is drawn from its own row's logits (temperature, top-k / top-p / min-p, a
         seed and the output position) with nothing that reads the tokens before it: no penalties,
-        no min_tokens bans (which lift at a later position). What an n-gram chained step samples."""
+        no min_tokens (its bans depend on the position). What a request must be to join a chained
+        step; one with min_tokens still rides a chain that starts after its bans have lifted (the
+        runner checks the first step's metadata: model_runner._chain_may_decide)."""
         return not self.has_penalties and self.min_tokens == 0
 
     @property

@@ -91,10 +91,12 @@ class SpeculativeDecoder:
     @property
     def chain_samples(self) -> bool:
         """Whether chained steps may sample (history-free sampling; see `may_ride_chain`): n-gram
-        drafts are point masses, verified by matching the rows' draws. A draft model's chain
-        verifies greedy drafts, which a sampled request would reject far more often than drafts
-        sampled with its own parameters: its sampled requests stay synchronous."""
-        return self.device_chain is not None and self.chain_drafter is None
+        drafts are point masses, verified by matching the rows' draws; a draft model's are drawn
+        on the device with the request's parameters, their q kept there for the rejection
+        sampler (which needs its drafts left on the device: `device_drafts`)."""
+        if self.device_chain is None:
+            return False
+        return self.chain_drafter is None or self.chain_drafter.device_drafts
 
     def may_ride_chain(self, params: SamplingParams) -> bool:
         """Whether a request's sampling can be decided on the device in a chained step (logprobs
@@ -184,6 +186,18 @@ class SpeculativeDecoder:
         """[N] a draw per row, enqueued at launch, where acceptance is matching drafts against
         them: all greedy, or drafts without a distribution (n-gram); None: rejection sampling."""
         return self.verifier.launch_draws(logits, meta, point_mass=not self._draft_probs)
+
+    def draft_probs_of(
+        self, groups: Sequence[VerifyGroup], k: int, vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """[B, K, V] the q of each group's drafts (0-padded; zero where none: a point mass is not
+        a distribution the draft model gives)."""
+        probs = torch.zeros((len(groups), k, vocab_size), dtype=torch.float32, device=device)
+        for b, g in enumerate(groups):
+            q = self._draft_probs.get(g.seq_id)
+            if q is not None and g.draft_token_ids:
+                probs[b, : len(g.draft_token_ids)] = q[: len(g.draft_token_ids)]
+        return probs
 
     def feed_device_drafts(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> None:
         """Write drafts left on the device into a step's input ids [T] (their rows hold

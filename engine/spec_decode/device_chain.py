@@ -44,6 +44,11 @@ class ChainStep:
     host: torch.Tensor  # the same on the host (pinned on CUDA)
     ready: torch.cuda.Event | None  # after the host copy (None: on the CPU, ready now)
 
+    @property
+    def next_drafts(self) -> torch.Tensor:
+        """[B, K] the drafts the next chained step verifies (a view of `packed`)."""
+        return self.packed[:, PACKED_FIXED + self.k_step + 1 :]
+
     def to_host(self) -> HostChainStep:
         if self.ready is not None:
             self.ready.synchronize()

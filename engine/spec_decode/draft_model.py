@@ -25,7 +25,7 @@ import torch
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID
 from pagedinfer.engine.core.scheduler_output import SamplingRow
-from pagedinfer.engine.sample.metadata import build_sampling_metadata
+from pagedinfer.engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.spec_decode.device_chain import slots_at
 from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftProposals, DraftRequest
@@ -397,11 +397,20 @@ class DraftModelProposer:
         ends: Sequence[int],
         history: torch.Tensor,  # [>= B, W] the device token histories (device_chain.py)
         history_len: torch.Tensor,  # [>= B] int32
-    ) -> torch.Tensor:
-        """Enqueue a chained step's K greedy draft steps (`reserve_chained` first); its drafts
-        [B, K] int64 on the device. Staged for the case that every draft of the step before
-        survives, moved back on the device by what it accepted (as the target's chained inputs)."""
+        rows: Sequence[SamplingRow] | None = None,  # [B] the sequences' sampling (None: greedy)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Enqueue a chained step's K draft steps (`reserve_chained` first); its drafts [B, K]
+        int64 on the device, and their q [B, K, V] when some row samples (None: all greedy).
+        Staged for the case that every draft of the step before survives, moved back on the
+        device by what it accepted (as the target's chained inputs). Sampled rows are drawn as
+        `_sample` draws them, at output positions read from the device histories."""
         num_seqs, k = len(seq_ids), self.num_speculative_tokens
+        sampling = None
+        if rows is not None and not all(r.sampling_params.is_greedy for r in rows):
+            sampling = self._chain_sampling(rows, history_len)
+        probs = None
+        if sampling is not None:
+            probs = torch.zeros((num_seqs, k, self.vocab_size), dtype=torch.float32, device=self.device)
         batch = self._chain_inputs(int(history.shape[0]), int(history.shape[1]))
         timed = self.device.type == "cuda" and self.record_device_times
         start = torch.cuda.Event(enable_timing=True) if timed else None
@@ -439,13 +448,39 @@ class DraftModelProposer:
             md = inputs.attn_metadata
             # only the argmax is read: the GEMM's dtype gives the same one as an fp32 copy
             logits = self.model.compute_logits(hidden[md.logits_indices], upcast=False, backend=self.backend)
-            prev = argmax_rows(_fit_vocab(logits, self.vocab_size), self.backend)  # [B]
+            if sampling is None:
+                prev = argmax_rows(_fit_vocab(logits, self.vocab_size), self.backend)  # [B]
+            else:
+                meta, first_positions = sampling
+                if meta.seeded_rows is not None:
+                    meta.positions = first_positions + step
+                processed = self.sampler.process(_fit_vocab(logits, self.vocab_size), meta)  # [B, V]
+                prev = self.sampler.draw(processed, meta)  # [B]
+                probs[:, step] = processed.softmax(dim=-1)
             drafts[:, step] = prev
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._chain_times.append((start, end))
-        return drafts
+        return drafts, probs
+
+    def _chain_sampling(
+        self, rows: Sequence[SamplingRow], history_len: torch.Tensor
+    ) -> tuple[SamplingMetadata, torch.Tensor | None]:
+        """Chained draft steps' sampling metadata [B] (seeds salted as `_sample`'s), and each
+        seeded row's output position at the first draft step: its history length on the device
+        (the step before's tokens appended) - its prompt."""
+        meta = build_sampling_metadata(list(rows), self.vocab_size, self.device)
+        if meta.seeded_rows is None:
+            return meta, None
+        meta.seeds = meta.seeds ^ _DRAFT_SALT
+        seeded = [i for i, r in enumerate(rows) if r.seed is not None and not r.sampling_params.is_greedy]
+        prompts = [len(rows[i].prompt_token_ids) for i in seeded]
+        pin = self.device.type == "cuda"
+        staged = torch.tensor([seeded, prompts], dtype=torch.int64, pin_memory=pin).to(
+            self.device, non_blocking=True
+        )
+        return meta, history_len.index_select(0, staged[0]).to(torch.int64) - staged[1]
 
     def _chain_inputs(self, max_seqs: int, max_len: int) -> InputBatch:
         """The chained draft steps' input buffers: the graphs' static ones, else a batch of their own."""

@@ -98,6 +98,52 @@ class SpecVerifier:
         num_verified = int(np.count_nonzero(arrays.num_drafts))
         return ModelRunnerOutput(sampled, num_drafts, num_accepted, num_verified_seqs=num_verified)
 
+    def row_tokens(
+        self,
+        processed: torch.Tensor,  # [N, V] the rows' processed logits
+        meta: SamplingMetadata,  # one entry per row (seeded rows at their output positions)
+        first_rows: Sequence[int],  # [B] host: each group's first row
+        num_drafts: Sequence[int],  # [B] host: each group's drafts (its rows: num_drafts + 1)
+        drafts: torch.Tensor,  # [B, K] int64 on the device, 0-padded
+        draft_probs: torch.Tensor,  # [B, K, V] their q, 0-padded
+    ) -> torch.Tensor:
+        """[N] the rejection sampler's tokens laid over the rows, on the device: group b's rows
+        hold its accepted drafts, then the corrected or bonus token (rows past it: 0). Matching
+        the drafts against these rows gives back exactly the sampler's tokens (a corrected token
+        never equals the draft it replaces: max(0, p - q) is 0 there), which is how a chained
+        step's accept kernel reads them (device_chain.py)."""
+        device = processed.device
+        num_groups, k = drafts.shape
+        firsts = np.asarray(first_rows, dtype=np.int64)
+        counts = np.asarray(num_drafts, dtype=np.int64)
+        steps = np.arange(k + 1)
+        index = firsts[:, None] + np.minimum(steps[None, :], counts[:, None])  # [B, K + 1]
+        valid = np.flatnonzero(steps[None, :] <= counts[:, None])  # group rows, flat over [B, K + 1]
+        staged = torch.from_numpy(np.concatenate([index.reshape(-1), counts, firsts, valid]))
+        if device.type == "cuda":
+            staged = staged.pin_memory()
+        staged = staged.to(device, non_blocking=True)
+        size = num_groups * (k + 1)
+        index_d = staged[:size].view(num_groups, k + 1)
+        counts_d = staged[size : size + num_groups]
+        firsts_d = staged[size + num_groups : size + 2 * num_groups]
+        valid_d = staged[size + 2 * num_groups :]
+        seeds, positions = _row_seeds(meta, processed.shape[0])
+        out = self.rejection_sampler(
+            RejectionInputs(
+                target_logits=processed[index_d],  # [B, K + 1, V]
+                draft_token_ids=drafts,
+                num_draft_tokens=counts_d,
+                is_greedy=meta.is_greedy[firsts_d],
+                draft_probs=draft_probs,
+                seeds=None if seeds is None else seeds[firsts_d],
+                positions=None if positions is None else positions[firsts_d],
+            )
+        )
+        tokens = torch.zeros(processed.shape[0], dtype=torch.int64, device=device)
+        tokens[index_d.reshape(-1)[valid_d]] = out.token_ids.reshape(-1)[valid_d]
+        return tokens
+
     @staticmethod
     def _matched_listed(
         logits: torch.Tensor, meta: SamplingMetadata, groups: Sequence[VerifyGroup], draws: HostTokenIds

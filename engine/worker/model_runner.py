@@ -95,6 +95,8 @@ class LaunchedForward:
     num_device_steps: int = 1
     inputs: StepInputs | None = None
     graph: GraphKey | None = None
+    # A chained step's draft-model drafts' q [B, K, V] where some row samples (None: greedy)
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -201,7 +203,7 @@ class ModelRunner:
         logits_rows, rows, groups = self._sampling_plan(sched)
         key = self._graph_key(sched)
         inputs = self.batch.prepare(sched, logits_rows, key)
-        fed_chain = None
+        fed_chain = draft_probs = None
         if sched.feeds_drafts:
             if feed is None or feed.chain is None:
                 raise ValueError("a chained speculative step needs the launched step it continues")
@@ -211,11 +213,12 @@ class ModelRunner:
                 fed_chain = chain.select_rows(fed_chain, sched.feed_rows)
             if sched.model_drafts:  # the draft model drafts from the histories N's acceptance left
                 seqs = sched.sequences[: sched.num_fed]
-                drafts = self.spec_decoder.chain_drafter.launch_chained(
+                drafts, draft_probs = self.spec_decoder.chain_drafter.launch_chained(
                     [s.seq_id for s in seqs],
                     [s.num_computed_tokens for s in seqs],
                     chain.history,
                     chain.history_len,
+                    [s.sample for s in seqs],
                 )
                 fed_chain = chain.with_drafts(fed_chain, drafts)
             b = self.batch
@@ -238,7 +241,16 @@ class ModelRunner:
         if fed_chain is None:
             return LaunchedForward(start, rows, groups, hidden, logits_indices)
         return LaunchedForward(
-            start, rows, groups, hidden, logits_indices, fed_chain, sched.num_device_steps, inputs, key
+            start,
+            rows,
+            groups,
+            hidden,
+            logits_indices,
+            fed_chain,
+            sched.num_device_steps,
+            inputs,
+            key,
+            draft_probs,
         )
 
     def _run_model(self, inputs: StepInputs, key: GraphKey | None) -> torch.Tensor:
@@ -320,7 +332,10 @@ class ModelRunner:
         draw_meta, seeded = meta, None
         if fwd.fed_chain is not None:
             draw_meta, seeded = self._chained_metadata(fwd, chain.k + 1)
-        logits, argmax = self._chain_draws(fwd.hidden, fwd.logits_indices, draw_meta, seeded, chain)
+        if self.spec_decoder.chain_drafter is not None and draw_meta is not None and not draw_meta.all_greedy:
+            logits, argmax = self._chain_rejection(fwd, draw_meta, seeded, chain)
+        else:
+            logits, argmax = self._chain_draws(fwd.hidden, fwd.logits_indices, draw_meta, seeded, chain)
         first_rows = [g.first_row for g in groups]
         if fwd.fed_chain is None:  # a chain's first step: the histories are the host's tokens
             chain.start(
@@ -400,6 +415,55 @@ class ModelRunner:
         staged = torch.tensor([chain_rows, offsets], dtype=torch.int64, pin_memory=pin)
         staged = staged.to(self.config.device, non_blocking=True)
         return meta, (staged[0], staged[1])
+
+    def _chain_rejection(
+        self,
+        fwd: LaunchedForward,
+        meta: SamplingMetadata,
+        seeded: tuple[torch.Tensor, torch.Tensor] | None,
+        chain,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_chain_draws` for a draft model's drafts, which come with q: the rejection sampler
+        decides each group's tokens on the device, as the synchronous step's verifier does (the
+        same noise: seeded groups give the same tokens), and each of the group's rows gets its
+        token there - its accepted drafts, then the corrected or bonus token, which never equals
+        the draft it replaces (a rejected draft x had p(x) < q(x): max(0, p - q) is 0 at x) - so
+        the accept kernel's matching keeps exactly the sampler's tokens."""
+        logits = self.model.compute_logits(
+            fwd.hidden[fwd.logits_indices], upcast=False, backend=self.config.attention_backend
+        )
+        groups, k = fwd.groups, chain.k
+        device = logits.device
+        if fwd.fed_chain is None:  # a chain's first step: the proposal's drafts and q
+            num_drafts = [len(g.draft_token_ids) for g in groups]
+            drafts = self._device_drafts_of(groups, k)
+            if drafts is None:
+                padded = [[*g.draft_token_ids, *[0] * (k - len(g.draft_token_ids))] for g in groups]
+                drafts = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+            probs = self.spec_decoder.draft_probs_of(groups, k, self.vocab_size, device)
+        else:  # chained: the drafts the draft model drew on the device, then admitted prompts' rows
+            num_fed = int(fwd.fed_chain.packed.shape[0])
+            num_admitted = len(groups) - num_fed
+            num_drafts = [k] * num_fed + [0] * num_admitted
+            drafts = fwd.fed_chain.next_drafts
+            probs = fwd.draft_probs  # None: every chained row greedy (q plays no part)
+            if probs is None:
+                probs = torch.zeros((num_fed, k, self.vocab_size), dtype=torch.float32, device=device)
+            if num_admitted:
+                drafts = torch.cat([drafts, drafts.new_zeros((num_admitted, k))])
+                probs = torch.cat([probs, probs.new_zeros((num_admitted, *probs.shape[1:]))])
+            if seeded is not None:
+                chain_rows, offsets = seeded
+                meta.positions = chain.history_len.index_select(0, chain_rows).to(torch.int64) + offsets
+        ids = self.spec_decoder.verifier.row_tokens(
+            self.sampler.process(logits, meta),
+            meta,
+            [g.first_row for g in groups],
+            num_drafts,
+            drafts,
+            probs,
+        )
+        return logits, ids
 
     def _chain_draws(
         self,

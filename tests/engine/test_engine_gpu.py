@@ -286,3 +286,34 @@ def test_sampled_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
         kv = llm.core.scheduler.kv
         assert kv.num_free_blocks == kv.num_blocks
     assert results[0] == results[1] and results[0][2] > 0
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_chained_pair_with_seeded_sampling_matches_the_synchronous_pair(tiny_llama_dir, graphs):
+    """Seeded sampled requests through the pair, chained on the device (drafts drawn there with
+    each request's parameters, q kept, the rejection sampler deciding every group there, 3 seats
+    so prompts are admitted into chained steps) against the synchronous pair: the same draws, so
+    the same tokens up to K + 1 before max_tokens (where the synchronous pair drafts fewer)."""
+    k = 3
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6]
+    params = [
+        SamplingParams(max_tokens=12 + 3 * i, temperature=0.7, top_k=8, seed=i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    outs = []
+    for chain in (True, False):
+        spec = SpeculativeConfig(
+            method="draft",
+            draft_model="self:first=1",
+            num_speculative_tokens=k,
+            min_acceptance_rate=0.0,
+            device_chain=chain,
+        )
+        llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True, max_num_seqs=3)
+        outs.append([o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)])
+        assert (llm.core.num_chained_steps > 10) is chain
+        kv, draft_kv = llm.core.scheduler.kv, llm.core.spec_decoder.proposer.kv
+        assert kv.num_free_blocks == kv.num_blocks and draft_kv.num_free_blocks == draft_kv.num_blocks
+    for chained, sync, p in zip(*outs, params, strict=True):
+        assert len(chained) == len(sync) == p.max_tokens
+        assert chained[: p.max_tokens - k - 1] == sync[: p.max_tokens - k - 1]
