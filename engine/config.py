@@ -82,10 +82,10 @@ class SpeculativeConfig:
     ngram_max: int = 4
     max_batch_size: int = 32  # above this many running sequences speculation is skipped for the step
     min_acceptance_rate: float = 0.2  # per sequence, below this its speculation pauses
-    # batches of greedy requests (n-gram: also sampled ones without penalties or logprobs, each row
-    # drawn on the device as plain decoding draws it): accept on the device and plan steps ahead
-    # (async scheduling), drafting there by prompt lookup (n-gram) or with the draft model (draft,
-    # greedy batches only: a chain starts from a step
+    # batches of greedy or sampled requests without penalties, min_tokens or logprobs: accept on
+    # the device (n-gram: drafts matched against each row's draw; draft: rejection sampling) and
+    # plan steps ahead (async scheduling), drafting there by prompt lookup (n-gram) or with the
+    # draft model (draft: a chain starts from a step
     # whose drafts stayed on the device, see device_drafts, and goes on from a step admitting a
     # prompt), spec_decode/device_chain.py; off:
     # every speculative step is synchronous

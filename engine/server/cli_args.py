@@ -55,9 +55,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--speculative-device-chain",
         action=argparse.BooleanOptionalAction,
         default=SpeculativeConfig.device_chain,
-        help="batches accept and draft on the device (prompt lookup: greedy or sampled requests "
-        "without penalties or logprobs; the draft model: greedy ones), so speculative steps are "
-        "planned ahead with --async-scheduling (off: every speculative step is synchronous)",
+        help="batches (greedy or sampled, without penalties or logprobs) accept and draft on the "
+        "device (prompt lookup, or the draft model), so speculative steps are planned ahead with "
+        "--async-scheduling (off: every speculative step is synchronous)",
     )
     eng.add_argument(
         "--speculative-device-chain-steps",
