@@ -446,7 +446,7 @@ class DraftModelProposer:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
             md = inputs.attn_metadata
-            # only the argmax is read: the GEMM's dtype gives the same one as an fp32 copy
+            # greedy rows read the argmax only, the same in the GEMM's dtype (sampled rows: process upcasts)
             logits = self.model.compute_logits(hidden[md.logits_indices], upcast=False, backend=self.backend)
             if sampling is None:
                 prev = argmax_rows(_fit_vocab(logits, self.vocab_size), self.backend)  # [B]

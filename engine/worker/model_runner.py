@@ -383,7 +383,7 @@ class ModelRunner:
     def _chain_may_decide(self, meta: SamplingMetadata) -> bool:
         """Whether a step's sampling can be decided on the device and its chain go on without the
         host: no logprobs, nothing that reads earlier tokens (penalties, bans), and greedy unless
-        the chain samples (n-gram: SpeculativeDecoder.chain_samples)."""
+        the chain samples (SpeculativeDecoder.chain_samples)."""
         if meta.penalties is not None or meta.ban_rows is not None or meta.max_num_logprobs >= 0:
             return False
         return meta.all_greedy or self.spec_decoder.chain_samples
@@ -452,9 +452,7 @@ class ModelRunner:
             if num_admitted:
                 drafts = torch.cat([drafts, drafts.new_zeros((num_admitted, k))])
                 probs = torch.cat([probs, probs.new_zeros((num_admitted, *probs.shape[1:]))])
-            if seeded is not None:
-                chain_rows, offsets = seeded
-                meta.positions = chain.history_len.index_select(0, chain_rows).to(torch.int64) + offsets
+            _set_seeded_positions(meta, seeded, chain)
         ids = self.spec_decoder.verifier.row_tokens(
             self.sampler.process(logits, meta),
             meta,
@@ -481,9 +479,7 @@ class ModelRunner:
         )
         if meta is None or is_plain_greedy(meta):
             return logits, argmax_rows(logits, self.config.attention_backend)
-        if seeded is not None:  # this device step's histories: the step before's tokens appended
-            chain_rows, offsets = seeded
-            meta.positions = chain.history_len.index_select(0, chain_rows).to(torch.int64) + offsets
+        _set_seeded_positions(meta, seeded, chain)  # (each device step's: its histories grew)
         return logits, self.sampler.draw(self.sampler.process(logits, meta), meta)
 
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor | None:
@@ -696,6 +692,16 @@ class ModelRunner:
             self.gpu_idle_s_total += self._prev_end.elapsed_time(start) / 1e3
         self.gpu_busy_s_total += start.elapsed_time(end) / 1e3
         self._prev_end = end
+
+
+def _set_seeded_positions(
+    meta: SamplingMetadata, seeded: tuple[torch.Tensor, torch.Tensor] | None, chain
+) -> None:
+    """A chained step's seeded rows' output positions, from the chain's history lengths on the
+    device now (`_chained_metadata` gave each seeded row its chain row and offset)."""
+    if seeded is not None:
+        chain_rows, offsets = seeded
+        meta.positions = chain.history_len.index_select(0, chain_rows).to(torch.int64) + offsets
 
 
 def _chain_output(hosts: Sequence[HostChainStep], groups: Sequence[VerifyGroup]) -> ModelRunnerOutput:
