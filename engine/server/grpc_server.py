@@ -64,6 +64,7 @@ _OPTIONAL_FIELDS = (
     "seed",
     "logprobs",
     "skip_special_tokens",
+    "use_speculation",
 )
 
 

@@ -3,7 +3,8 @@
 Field ranges are left to `SamplingParams.validate` (one source of truth); pydantic checks only
 types, so every bad value gets the engine's message. Extension fields beyond OpenAI's
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority,
-request_id, skip_special_tokens) are accepted as vLLM does.
+request_id, skip_special_tokens) are accepted as vLLM does; `use_speculation` (default true)
+turns speculative decoding off for one request on an engine that speculates.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    use_speculation: bool = True
     priority: int = 0
     request_id: str | None = Field(default=None, max_length=128)
 
@@ -89,6 +91,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            use_speculation=self.use_speculation,
             **kwargs,
         )
 
