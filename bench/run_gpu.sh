@@ -135,6 +135,12 @@ probe spec_ngram_sampled "$PY" -P bench/speculative.py --device cuda --out "$OUT
 probe spec_ngram_sampled_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_sampled_sync" \
   --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" --batches 1,8 --ks 2,4,6 --max-tokens 128 \
   --temperature 0.7 --refill 0 --device-chain off
+# the pair with seeded sampling (temperature 0.7): chained (drafts drawn on the device, rejection
+# sampling there), then every step synchronous
+probe spec_pair_sampled "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_pair_sampled" \
+  --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --temperature 0.7
+probe spec_pair_sampled_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_pair_sampled_sync" \
+  --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --temperature 0.7 --device-chain off
 # the pair again with every speculative step synchronous (draft steps not chained on the device)
 probe spec_pair_sync "$PY" -P bench/speculative.py --device cuda --out "$OUTDIR/spec_pair_sync" \
   --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --refill 0 --device-chain off
