@@ -41,16 +41,19 @@ def residual_distribution(
     """normalize(max(0, p - q)) row by row; q is a point mass on the draft token when None.
 
     A row whose residual mass is zero (p == q up to rounding) can only be reached with
-    probability zero; it falls back to p so the result is always a distribution.
+    probability zero; it falls back to p without the rejected draft (p itself if that is all of
+    p), so the result is always a distribution and never gives back the draft it replaces (a
+    chained step's accept kernel relies on that: model_runner._chain_rejection).
     """
+    without_draft = target_probs.clone().scatter_(1, draft_token_ids.unsqueeze(1), 0.0)  # [B, V]
     if draft_probs is None:
-        residual = target_probs.clone()  # [B, V]
-        residual.scatter_(1, draft_token_ids.unsqueeze(1), 0.0)
+        residual = without_draft
     else:
         residual = (target_probs - draft_probs).clamp_(min=0.0)  # [B, V]
     mass = residual.sum(dim=1, keepdim=True)  # [B, 1]
-    residual = torch.where(mass > 0, residual / mass.clamp(min=_TINY), target_probs)
-    return residual
+    rest = without_draft.sum(dim=1, keepdim=True)  # [B, 1]
+    fallback = torch.where(rest > 0, without_draft / rest.clamp(min=_TINY), target_probs)
+    return torch.where(mass > 0, residual / mass.clamp(min=_TINY), fallback)
 
 
 @dataclass(frozen=True)

@@ -200,13 +200,16 @@ def test_seeded_rows_follow_the_target_distribution():
         assert _position_pvalue(RejectionSampler(), seeded, position) > ALPHA, position
 
 
-def test_residual_distribution_is_normalized_and_falls_back_to_p():
-    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
-    q = torch.tensor([[0.5, 0.5, 0.0], [0.4, 0.1, 0.5]])
-    res = residual_distribution(p, q, torch.tensor([0, 0]))
-    assert torch.allclose(res[0], p[0])  # zero residual mass: p
+def test_residual_distribution_is_normalized_and_never_gives_back_the_draft():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.4, 0.1, 0.5], [1.0, 0.0, 0.0]])
+    res = residual_distribution(p, q, torch.tensor([0, 0, 0]))
+    # zero residual mass (p == q: reached with probability 0): p without the rejected draft, or
+    # p where the draft is all of it
+    assert torch.allclose(res[0], torch.tensor([0.0, 1.0, 0.0]))
+    assert torch.allclose(res[2], p[2])
     assert torch.allclose(res[1], torch.tensor([0.0, 1.0, 0.0]))
-    point = residual_distribution(p, None, torch.tensor([0, 2]))
+    point = residual_distribution(p[:2], None, torch.tensor([0, 2]))
     assert torch.allclose(point, torch.tensor([[0.0, 1.0, 0.0], [0.4, 0.6, 0.0]]))
 
 
