@@ -3,7 +3,8 @@
 Each workload runs one engine; every row measures `use_speculation=False` requests (baseline:
 plain steps, planned ahead with async scheduling on CUDA as an engine without speculation runs
 them) and speculative ones on the same engine, same prompts, greedy (or seeded sampling,
---temperature), and checks the outputs match.
+--temperature), and records whether the outputs match (they must under greedy, and with seeded
+sampling for n-gram; the pair's rejection sampling draws other noise than plain decoding).
   (a) ngram: the n-gram proposer on editing tasks with SmolLM2 (rewrite a given text with one
       substitution, or fix its typos: the output copies long spans of the prompt, what prompt
       lookup is made for; each answer ends at the model's EOS, at most --max-tokens);

@@ -64,8 +64,8 @@ class SamplingParams:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Every token is the raw logits' argmax: greedy and history-free. What a draft on the
-        device decides, and what a draft model's chained step verifies."""
+        """Every token is the raw logits' argmax: greedy and history-free (logits need no fp32
+        copy and no processing; a chain with device drafts off rides only these)."""
         return self.temperature == 0.0 and self.is_history_free
 
     def validate(self) -> None:

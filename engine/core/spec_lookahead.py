@@ -13,16 +13,18 @@ first inputs are known and the KV reservation shrinks to N+1's own extent: `reso
 N+1's update records the ids its later device steps consumed (`record_device_inputs`). N+1 is
 then an ordinary record of what ran, and the next step is planned from it the same way.
 
-A chain continues N's batch: every running sequence was in N, samples there, and is all-greedy
-(the device decides by argmax); nothing can be preempted; each sequence has room for a
+A chain continues N's batch: every running sequence was in N, samples there, and its sampling can
+be decided on the device (greedy, or sampled without penalties, min_tokens bans or logprobs: each
+row drawn there); nothing can be preempted; each sequence has room for a
 verification in its context. Sequences that stopped since N was planned, or reach max_tokens at
 N for certain, get no row (the device histories are compacted to the rows that go on:
 `DeviceNgramChain.select_rows`). Waiting requests the synchronous step would admit are admitted
 behind the chained rows, with their real inputs (a refilled batch would otherwise be synchronous
-at every admission), if they are plain greedy and speculate: their first token is decided on the
-device too, their histories join the chain's (`DeviceNgramChain.add_rows`), and the next step
-chains them (a draft model's cache is prefilled for them then). Anything else (a request that
-samples, one that fits only once the chain's reservations are released, a sequence without room)
+at every admission), if their sampling can ride (`may_ride`) and they speculate: their first
+token is decided on the device too, their histories join the chain's (`DeviceNgramChain.add_rows`), and the next step
+chains them (a draft model's cache is prefilled for them then). Anything else (a request with
+penalties or logprobs, one that fits only once the chain's reservations are released, a sequence
+without room)
 ends the chain: the next step is scheduled synchronously, with drafts from the host proposer.
 """
 
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 
 
 def is_plain_greedy(params: SamplingParams) -> bool:
-    """A draft model's chained step rides greedy requests only (its drafts are argmaxes)."""
+    """The default `may_ride`: greedy requests only (SpeculativeDecoder.may_ride_chain is the
+    engine's: history-free sampling where its chains sample)."""
     return params.is_plain_greedy
 
 
@@ -246,8 +249,8 @@ def may_join(
     may_ride: Callable[[SamplingParams], bool] = is_plain_greedy,
 ) -> bool:
     """Whether prompts admitted into a chained step may ride in it: the device decides their first
-    token like every chained row's (`may_ride`: plain greedy, or history-free sampling for n-gram
-    chains; no logprobs; speculating), and none forks."""
+    token like every chained row's (`may_ride`: history-free sampling where the chain samples,
+    else plain greedy; no logprobs; speculating), and none forks."""
     for a in admitted:
         seq = scheduler._by_seq_id[a.seq_id]
         p = seq.sampling_params

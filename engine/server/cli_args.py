@@ -55,7 +55,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--speculative-device-chain",
         action=argparse.BooleanOptionalAction,
         default=SpeculativeConfig.device_chain,
-        help="batches (greedy or sampled, without penalties or logprobs) accept and draft on the "
+        help="batches (greedy or sampled, without penalties, min_tokens or logprobs) accept and draft on the "
         "device (prompt lookup, or the draft model), so speculative steps are planned ahead with "
         "--async-scheduling (off: every speculative step is synchronous)",
     )

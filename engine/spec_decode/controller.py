@@ -77,7 +77,8 @@ class SpeculativeDecoder:
 
     def may_chain(self, running: Sequence[Request]) -> bool:
         """Whether steps over `running` may be chained on the device (spec_decode/device_chain.py):
-        every sequence speculates and none is paused. The runner checks the sampling (`may_ride_chain`)."""
+        every sequence speculates and none is paused. The runner checks the sampling of a chain's
+        first step (ModelRunner._chain_may_decide); prompts joining one are `may_ride_chain`'s."""
         return (
             self.device_chain is not None
             and len(running) <= self.device_chain.max_seqs
@@ -92,8 +93,8 @@ class SpeculativeDecoder:
     def chain_samples(self) -> bool:
         """Whether chained steps may sample (history-free sampling; see `may_ride_chain`): n-gram
         drafts are point masses, verified by matching the rows' draws; a draft model's are drawn
-        on the device with the request's parameters, their q kept there for the rejection
-        sampler (which needs its drafts left on the device: `device_drafts`)."""
+        with the request's parameters and their q kept for the rejection sampler, on the device
+        (`device_drafts`; with it off, chains ride greedy requests only)."""
         if self.device_chain is None:
             return False
         return self.chain_drafter is None or self.chain_drafter.device_drafts
@@ -188,15 +189,21 @@ class SpeculativeDecoder:
         return self.verifier.launch_draws(logits, meta, point_mass=not self._draft_probs)
 
     def draft_probs_of(
-        self, groups: Sequence[VerifyGroup], k: int, vocab_size: int, device: torch.device
+        self, groups: Sequence[VerifyGroup], drafts: torch.Tensor, vocab_size: int
     ) -> torch.Tensor:
-        """[B, K, V] the q of each group's drafts (0-padded; zero where none: a point mass is not
-        a distribution the draft model gives)."""
-        probs = torch.zeros((len(groups), k, vocab_size), dtype=torch.float32, device=device)
+        """[B, K, V] the q of each group's drafts [B, K] (0-padded), as the synchronous verifier
+        takes them: the proposal's distribution, or a point mass on the draft where it has none."""
+        k = drafts.shape[1]
+        probs = torch.zeros((len(groups), k, vocab_size), dtype=torch.float32, device=drafts.device)
         for b, g in enumerate(groups):
+            n = len(g.draft_token_ids)
+            if not n:
+                continue
             q = self._draft_probs.get(g.seq_id)
-            if q is not None and g.draft_token_ids:
-                probs[b, : len(g.draft_token_ids)] = q[: len(g.draft_token_ids)]
+            if q is None:
+                probs[b, :n].scatter_(1, drafts[b, :n, None], 1.0)
+            else:
+                probs[b, :n] = q[:n]
         return probs
 
     def feed_device_drafts(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> None:

@@ -4,8 +4,9 @@ decided where the logits are, so step N+1 is launched before step N's tokens rea
 Why: with the host deciding, a speculative step waits for its verification, then the host
 accepts, proposes and stages the next one while the device idles; for a small model whose
 step is host- and launch-bound that idle time is most of a plain step (bench/NOTES.md,
-speculative n-gram). Here an all-greedy step ends with one kernel (`accept_and_propose`) that
-accepts the drafts against the argmax, appends the emitted tokens to each sequence's device
+speculative n-gram). Here a step ends with one kernel (`accept_and_propose`) that accepts the
+drafts against each row's token (the argmax; a sampled row's draw; with a draft model's drafts,
+the rejection sampler's tokens laid over the rows: model_runner._chain_rejection), appends the emitted tokens to each sequence's device
 token history and drafts the next K tokens by prompt lookup with the host proposer's rule
 (spec_decode/ngram.py: longest suffix match, equally long ones ranked by context, then latest);
 the next step's inputs (bonus token + drafts, positions, slots, context lengths) are then fixed
@@ -138,7 +139,7 @@ class DeviceNgramChain:
 
     def accept(
         self,
-        argmax: torch.Tensor,  # [R] greedy token per logits row
+        argmax: torch.Tensor,  # [R] the token per logits row the drafts are matched against
         first_rows: Sequence[int],  # [B] host: first row of each sequence's group
         drafts: Sequence[Sequence[int]] | None,  # host drafts per group (a chain's first step)
         fed: ChainStep | None,  # the step before, whose drafts this step verifies (chained)

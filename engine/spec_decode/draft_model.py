@@ -93,8 +93,9 @@ class DraftModelProposer:
         self._seqs: dict[int, _DraftSeq] = {}
         self._computed: dict[int, int] = {}  # tokens per sequence whose K/V are written
         self.graphs: CudaGraphRunner | None = None
-        # All-greedy batches draft on the device (`_propose_on_device`); the drafts' ids reach the
-        # host (and this cache's records) after the verification (`resolve`).
+        # Batches without penalties or min_tokens (greedy or sampled) draft on the device
+        # (`_propose_on_device`); the drafts' ids reach the host (and this cache's records) after
+        # the verification (`resolve`).
         self.device_drafts = device_drafts
         self._unresolved: DeviceDrafts | None = None
         self._placeholders: dict[int, int] = {}  # seq_id -> first cached position fed a draft
@@ -397,7 +398,7 @@ class DraftModelProposer:
         ends: Sequence[int],
         history: torch.Tensor,  # [>= B, W] the device token histories (device_chain.py)
         history_len: torch.Tensor,  # [>= B] int32
-        rows: Sequence[SamplingRow] | None = None,  # [B] the sequences' sampling (None: greedy)
+        sampling_rows: Sequence[SamplingRow] | None = None,  # [B] the sequences' (None: greedy)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Enqueue a chained step's K draft steps (`reserve_chained` first); its drafts [B, K]
         int64 on the device, and their q [B, K, V] when some row samples (None: all greedy).
@@ -406,11 +407,11 @@ class DraftModelProposer:
         `_sample` draws them, at output positions read from the device histories."""
         num_seqs, k = len(seq_ids), self.num_speculative_tokens
         sampling = None
-        if rows is not None and not all(r.sampling_params.is_greedy for r in rows):
-            sampling = self._chain_sampling(rows, history_len)
-        probs = None
+        if sampling_rows is not None and not all(r.sampling_params.is_greedy for r in sampling_rows):
+            sampling = self._chain_sampling(sampling_rows, history_len)
+        probs = None  # (every draft step writes every row)
         if sampling is not None:
-            probs = torch.zeros((num_seqs, k, self.vocab_size), dtype=torch.float32, device=self.device)
+            probs = torch.empty((num_seqs, k, self.vocab_size), dtype=torch.float32, device=self.device)
         batch = self._chain_inputs(int(history.shape[0]), int(history.shape[1]))
         timed = self.device.type == "cuda" and self.record_device_times
         start = torch.cuda.Event(enable_timing=True) if timed else None
@@ -454,9 +455,7 @@ class DraftModelProposer:
                 meta, first_positions = sampling
                 if meta.seeded_rows is not None:
                     meta.positions = first_positions + step
-                processed = self.sampler.process(_fit_vocab(logits, self.vocab_size), meta)  # [B, V]
-                prev = self.sampler.draw(processed, meta)  # [B]
-                probs[:, step] = processed.softmax(dim=-1)
+                prev, probs[:, step] = self._draw_with_q(_fit_vocab(logits, self.vocab_size), meta)
             drafts[:, step] = prev
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
@@ -467,13 +466,12 @@ class DraftModelProposer:
     def _chain_sampling(
         self, rows: Sequence[SamplingRow], history_len: torch.Tensor
     ) -> tuple[SamplingMetadata, torch.Tensor | None]:
-        """Chained draft steps' sampling metadata [B] (seeds salted as `_sample`'s), and each
-        seeded row's output position at the first draft step: its history length on the device
-        (the step before's tokens appended) - its prompt."""
+        """Chained draft steps' sampling metadata [B] (built once a launch; `_draw_with_q` salts
+        the seeds), and each seeded row's output position at the first draft step: its history
+        length on the device (the step before's tokens appended) - its prompt."""
         meta = build_sampling_metadata(list(rows), self.vocab_size, self.device)
         if meta.seeded_rows is None:
             return meta, None
-        meta.seeds = meta.seeds ^ _DRAFT_SALT
         seeded = [i for i, r in enumerate(rows) if r.seed is not None and not r.sampling_params.is_greedy]
         prompts = [len(rows[i].prompt_token_ids) for i in seeded]
         pin = self.device.type == "cuda"
@@ -657,9 +655,15 @@ class DraftModelProposer:
         meta = build_sampling_metadata(
             rows, self.vocab_size, self.device, [r.eos_token_ids for r in requests]
         )
+        return self._draw_with_q(logits, meta)
+
+    def _draw_with_q(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts [A] drawn from processed logits [A, V] as the target would draw them, but with
+        seeds salted (a draft's noise is not the target's at the same position: the rejection
+        step's test would be biased otherwise), and their distributions q [A, V]."""
         processed = self.sampler.process(logits, meta)  # [A, V]
         if meta.seeds is not None:
-            meta.seeds = meta.seeds ^ _DRAFT_SALT
+            meta = dataclasses.replace(meta, seeds=meta.seeds ^ _DRAFT_SALT)
         return self.sampler.draw(processed, meta), processed.softmax(dim=-1)
 
     def _sample(
@@ -672,11 +676,10 @@ class DraftModelProposer:
         meta = build_sampling_metadata(
             rows, self.vocab_size, self.device, [r.eos_token_ids for r in requests]
         )
-        processed = self.sampler.process(logits, meta)  # [A, V]
-        if meta.seeds is not None:
-            meta.seeds = meta.seeds ^ _DRAFT_SALT
-        tokens = self.sampler.draw(processed, meta).tolist()
-        return tokens, None if meta.all_greedy else processed.softmax(dim=-1)
+        if meta.all_greedy:
+            return self.sampler.draw(self.sampler.process(logits, meta), meta).tolist(), None
+        tokens, q = self._draw_with_q(logits, meta)
+        return tokens.tolist(), q
 
 
 def _position_row(row: SamplingRow, drafts: list[int]) -> SamplingRow:

@@ -40,7 +40,7 @@ class DraftRequest:
 
 @dataclass
 class DeviceDrafts:
-    """Drafts that stay on the device (a greedy draft model's), written into the verification's
+    """Drafts that stay on the device (a draft model's, greedy or sampled), written into the verification's
     inputs there (ModelRunner); the host learns them from one copy enqueued after the last draft
     step, by the time the verification is collected."""
 

@@ -232,7 +232,7 @@ class ModelRunner:
         elif sched.feeds_previous:
             self._feed_previous(sched, feed, inputs.input_ids)
         elif getattr(self.spec_decoder, "device_drafts", None) is not None:
-            self.spec_decoder.feed_device_drafts(sched, self.batch.ids)  # a draft model's greedy drafts
+            self.spec_decoder.feed_device_drafts(sched, self.batch.ids)  # a draft model's device drafts
         # Idle time is GPU time between one step's last kernel and the next step's forward: the
         # host work in between (update, schedule, prepare) is what the GPU waits for.
         start = self._gpu_event()
@@ -329,11 +329,13 @@ class ModelRunner:
             chain is None or not self._chain_may_decide(meta) or len(groups) > chain.max_seqs
         ):
             return None
-        draw_meta, seeded = meta, None
+        draw_meta, seeded, first_drafts = meta, None, None
         if fwd.fed_chain is not None:
             draw_meta, seeded = self._chained_metadata(fwd, chain.k + 1)
+        else:  # a first step's drafts, where a draft model left them on the device (else None)
+            first_drafts = self._device_drafts_of(groups, chain.k)
         if self.spec_decoder.chain_drafter is not None and draw_meta is not None and not draw_meta.all_greedy:
-            logits, argmax = self._chain_rejection(fwd, draw_meta, seeded, chain)
+            logits, argmax = self._chain_rejection(fwd, draw_meta, seeded, chain, first_drafts)
         else:
             logits, argmax = self._chain_draws(fwd.hidden, fwd.logits_indices, draw_meta, seeded, chain)
         first_rows = [g.first_row for g in groups]
@@ -349,7 +351,7 @@ class ModelRunner:
                 first_rows,
                 [g.draft_token_ids for g in groups],
                 None,
-                device_drafts=self._device_drafts_of(groups, chain.k),
+                device_drafts=first_drafts,
             )
         else:
             several = fwd.num_device_steps > 1
@@ -422,8 +424,10 @@ class ModelRunner:
         meta: SamplingMetadata,
         seeded: tuple[torch.Tensor, torch.Tensor] | None,
         chain,
+        first_drafts: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_chain_draws` for a draft model's drafts, which come with q: the rejection sampler
+        """`_chain_draws` for a draft model's drafts, which come with q (`first_drafts`: a chain's
+        first step's drafts on the device, None where the host holds them): the rejection sampler
         decides each group's tokens on the device, as the synchronous step's verifier does (the
         same noise: seeded groups give the same tokens), and each of the group's rows gets its
         token there - its accepted drafts, then the corrected or bonus token, which never equals
@@ -436,11 +440,12 @@ class ModelRunner:
         device = logits.device
         if fwd.fed_chain is None:  # a chain's first step: the proposal's drafts and q
             num_drafts = [len(g.draft_token_ids) for g in groups]
-            drafts = self._device_drafts_of(groups, k)
-            if drafts is None:
+            drafts = first_drafts
+            if drafts is None:  # (pinned: a pageable copy would wait for the forward pass)
                 padded = [[*g.draft_token_ids, *[0] * (k - len(g.draft_token_ids))] for g in groups]
-                drafts = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
-            probs = self.spec_decoder.draft_probs_of(groups, k, self.vocab_size, device)
+                staged = torch.tensor(padded, dtype=torch.int64, pin_memory=device.type == "cuda")
+                drafts = staged.to(device, non_blocking=True)
+            probs = self.spec_decoder.draft_probs_of(groups, drafts, self.vocab_size)
         else:  # chained: the drafts the draft model drew on the device, then admitted prompts' rows
             num_fed = int(fwd.fed_chain.packed.shape[0])
             num_admitted = len(groups) - num_fed
