@@ -1,15 +1,18 @@
 """A speculating server (n-gram, the tiny random model) through its real ingress: the OpenAI SDK,
-gRPC stubs and raw HTTP. Speculation shows in the Prometheus exposition (parsed); a request can
-turn it off for itself (`use_speculation`: an OpenAI extension field, a proto field); greedy and
+gRPC stubs, a WebSocket client and raw HTTP. Speculation shows in the Prometheus exposition (parsed); a request can
+turn it off for itself (`use_speculation`: an OpenAI / WebSocket extension field, a proto field); greedy and
 seeded sampled requests get the same text either way (n-gram drafts are verified by matching the
 plain sampler's draws); a bad value is a 400 with a JSON body."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
 import openai
 import pytest
+import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
@@ -79,6 +82,30 @@ def test_speculation_per_request_through_grpc(client, model, stub, server) -> No
     assert _counter(server, DRAFTS) == before
     fast = generate()
     assert _counter(server, DRAFTS) > before
+    assert fast == plain == _complete(client, model)
+    server.wait_idle()
+
+
+async def test_speculation_per_request_through_the_websocket(client, model, server) -> None:
+    async def generate(ws, gen_id: str, **extra) -> str:
+        msg = {"type": "generate", "id": gen_id, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+        await ws.send(json.dumps({**msg, "ignore_eos": True, **extra}))
+        text = ""
+        while True:
+            reply = json.loads(await ws.recv())
+            if reply["type"] == "delta":
+                text += "".join(d["text"] for d in reply["deltas"])
+            else:
+                assert reply["type"] == "done", reply
+                return text
+
+    async with websockets.connect(server.ws) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        before = _counter(server, DRAFTS)
+        plain = await generate(ws, "plain", use_speculation=False)
+        assert _counter(server, DRAFTS) == before
+        fast = await generate(ws, "fast")
+        assert _counter(server, DRAFTS) > before
     assert fast == plain == _complete(client, model)
     server.wait_idle()
 
