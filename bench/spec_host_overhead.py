@@ -117,15 +117,25 @@ class _DeviceStandIns:
     host time, like the stub model's."""
 
     def __init__(self, clock) -> None:
+        from pagedinfer.engine.sample.rejection_sampler import RejectionSampler
+        from pagedinfer.engine.sample.sampler import Sampler
         from pagedinfer.engine.spec_decode import device_chain
         from pagedinfer.kernels import ngram_reference
 
         self.seconds = 0.0
         self._patched = []
-        for module, name in ((ngram_reference, "accept_and_propose"), (device_chain, "feed_inputs_torch")):
-            fn = getattr(module, name)
-            self._patched.append((module, name, fn))
-            setattr(module, name, self._timed(fn, clock))
+        # Sampling (--temperature) is device work too: the sampler's and the rejection sampler's
+        # tensor ops (a greedy step's one argmax stays in the host time, as before).
+        for owner, name in (
+            (ngram_reference, "accept_and_propose"),
+            (device_chain, "feed_inputs_torch"),
+            (Sampler, "process"),
+            (Sampler, "draw"),
+            (RejectionSampler, "__call__"),
+        ):
+            fn = getattr(owner, name)
+            self._patched.append((owner, name, fn))
+            setattr(owner, name, self._timed(fn, clock))
 
     def _timed(self, fn, clock):
         def timed(*args, **kwargs):
@@ -229,20 +239,28 @@ def measure(
     device_chain: bool = False,
     device_steps: int = 1,
     method: str | None = "ngram",
+    temperature: float = 0.0,
 ) -> dict:
     clock = time.thread_time
     core, model = build(batch, k, clock, async_scheduling, device_chain, device_steps, method)
     stand_ins = _DeviceStandIns(clock)
     try:
-        return _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed)
+        return _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed, temperature)
     finally:
         stand_ins.restore()
 
 
-def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed) -> dict:
+def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed, temperature=0.0) -> dict:
     clock = time.thread_time
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    # Sampled (seeded): the stub's one-hot logits at a low temperature keep its cycle likely, so
+    # drafts are still accepted and the sampled paths run with the same batch shapes.
+    params = SamplingParams(
+        max_tokens=100_000,
+        temperature=temperature,
+        seed=seed + 1 if temperature > 0 else None,
+        ignore_eos=True,
+    )
     for i in range(batch):
         prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist()
         core.add_request(f"r{i}", prompt, params)
@@ -309,6 +327,12 @@ def main() -> None:
     parser.add_argument("--name", default="spec_host_overhead_cpu")
     parser.add_argument("--baseline", type=Path, default=None, help="a previous JSON to compare with")
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: every request samples, seeded (the stub's logits are one-hot: ~0.05 keeps drafts accepted)",
+    )
+    parser.add_argument(
         "--modes",
         default="plain,spec",
         help=f"any of {', '.join(MODES)} (plain_async / chained: async scheduling forced on, the "
@@ -333,6 +357,7 @@ def main() -> None:
                     device_chain=device_chain,
                     device_steps=device_steps,
                     method=method,
+                    temperature=args.temperature,
                 )
                 for _ in range(args.repeats)
             ]
@@ -367,6 +392,7 @@ def main() -> None:
             "k": args.k,
             "method": "ngram (spec, chained*); draft stub (pair*)",
             "torch_threads": 1,
+            "temperature": args.temperature,
             "results": results,
         }
         if baseline:

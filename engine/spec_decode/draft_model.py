@@ -25,7 +25,11 @@ import torch
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID
 from pagedinfer.engine.core.scheduler_output import SamplingRow
-from pagedinfer.engine.sample.metadata import SamplingMetadata, build_sampling_metadata
+from pagedinfer.engine.sample.metadata import (
+    SamplingMetadata,
+    SamplingMetadataBuilder,
+    build_sampling_metadata,
+)
 from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.spec_decode.device_chain import slots_at
 from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftProposals, DraftRequest
@@ -90,6 +94,9 @@ class DraftModelProposer:
         self.backend = attention_backend
         self.sampler = Sampler()
         self.device = model.device
+        # Chained launches' sampling metadata: the parameter tensors are reused while the chain's
+        # rows keep their parameters (one launch after another)
+        self._chain_metadata = SamplingMetadataBuilder(target_vocab_size, self.device)
         self._seqs: dict[int, _DraftSeq] = {}
         self._computed: dict[int, int] = {}  # tokens per sequence whose K/V are written
         self.graphs: CudaGraphRunner | None = None
@@ -469,7 +476,7 @@ class DraftModelProposer:
         """Chained draft steps' sampling metadata [B] (built once a launch; `_draw_with_q` salts
         the seeds), and each seeded row's output position at the first draft step: its history
         length on the device (the step before's tokens appended) - its prompt."""
-        meta = build_sampling_metadata(list(rows), self.vocab_size, self.device)
+        meta = self._chain_metadata.build(rows)
         if meta.seeded_rows is None:
             return meta, None
         seeded = [i for i, r in enumerate(rows) if r.seed is not None and not r.sampling_params.is_greedy]
