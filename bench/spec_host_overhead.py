@@ -181,7 +181,7 @@ def build(
         max_batch_size=max(batch, 1),
         device_chain=device_chain,
         device_chain_steps=device_steps,
-        min_acceptance_rate=0.0,  # no pauses: a paused sequence would end chains
+        min_acceptance_rate=0.0,  # no pauses: a batch paused whole would end chains
     )
     cfg = EngineConfig(
         cache=CacheConfig(block_size=16, num_blocks=batch * 200 + 64),  # room for 60 launches of 4 steps

@@ -77,16 +77,17 @@ class SpeculativeDecoder:
 
     def may_chain(self, running: Sequence[Request]) -> bool:
         """Whether steps over `running` may be chained on the device (spec_decode/device_chain.py):
-        every sequence speculates and none is paused. The runner checks the sampling of a chain's
-        first step (ModelRunner._chain_may_decide); prompts joining one are `may_ride_chain`'s."""
+        every sequence speculates and not all are paused. Paused sequences ride along, as in a
+        synchronous step where others draft (`propose`): the device drafts for every row anyway,
+        and their rows cost a memory-bound step nothing; when all are paused, no step drafts.
+        The runner checks the sampling of a chain's first step (ModelRunner._chain_may_decide);
+        prompts joining one are `may_ride_chain`'s."""
         return (
             self.device_chain is not None
             and len(running) <= self.device_chain.max_seqs
             and self.policy.is_step_enabled(len(running))
-            and all(
-                seq.sampling_params.use_speculation and not self.policy.is_paused(seq.seq_id)
-                for seq in running
-            )
+            and all(seq.sampling_params.use_speculation for seq in running)
+            and not all(self.policy.is_paused(seq.seq_id) for seq in running)
         )
 
     @property

@@ -191,7 +191,8 @@ def test_chained_pair_matches_plain_greedy(tiny_llama_dir, graphs):
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(ps))]
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
     # The 1-layer draft of this random model agrees ~9% of the time: the policy would pause most
-    # sequences, and a paused sequence ends a chain (on the CPU: 6 chained steps, 30 without pauses).
+    # sequences, and a batch paused whole ends a chain (on the CPU, 2026-12-05: 6 chained steps when
+    # any pause ended one, 30 without pauses).
     spec = SpeculativeConfig(
         method="draft", draft_model="self:first=1", num_speculative_tokens=3, min_acceptance_rate=0.0
     )

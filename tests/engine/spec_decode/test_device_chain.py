@@ -30,7 +30,7 @@ def plain(tiny_llama_dir):
 
 
 def unpaused(device_steps: int) -> SpeculativeConfig:
-    """N-gram, K 3, up to 3-grams, no pauses (a paused sequence would end chains)."""
+    """N-gram, K 3, up to 3-grams, no pauses (a batch paused whole would end chains)."""
     return SpeculativeConfig(
         method="ngram",
         num_speculative_tokens=3,
@@ -370,3 +370,30 @@ def test_seeded_sampling_in_chains_is_the_plain_output(tiny_llama_dir, plain, de
     assert llm.core.num_chained_steps >= 10
     assert llm.core.spec_decoder.stats.num_accepted_tokens > 0
     assert_no_leak(llm)
+
+
+def test_a_paused_sequence_rides_the_chain(tiny_llama_dir, plain):
+    """A sequence the policy paused rides a chain of others that draft, as it rides a synchronous
+    step where others draft (its drafts are verified; the step costs the same); only a batch
+    paused whole stops chaining (and drafting). Outputs equal plain greedy either way."""
+    ps, params = greedy_workload(random.Random(11), 4, 11, (20, 40), stop_every=5)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    for paused_whole in (False, True):
+        llm = chained(tiny_llama_dir, unpaused(1))
+        policy = llm.core.spec_decoder.policy
+        first: list[int] = []
+
+        def is_paused(seq_id, first=first, whole=paused_whole):
+            if not first:
+                first.append(seq_id)
+            return whole or seq_id == first[0]
+
+        policy.is_paused = is_paused
+        if paused_whole:
+            policy.should_speculate = lambda seq_id: False
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
+        if paused_whole:
+            assert llm.core.num_chained_steps == 0 and llm.core.spec_decoder.stats.num_draft_tokens == 0
+        else:
+            assert llm.core.num_chained_steps > 10, llm.core.num_chained_steps
+        assert_no_leak(llm)
