@@ -15,17 +15,17 @@ then an ordinary record of what ran, and the next step is planned from it the sa
 
 A chain continues N's batch: every running sequence was in N, samples there, and its sampling can
 be decided on the device (greedy, or sampled without penalties, min_tokens bans or logprobs: each
-row drawn there); nothing can be preempted; each sequence has room for a
-verification in its context. Sequences that stopped since N was planned, or reach max_tokens at
+row drawn there); nothing can be preempted; each sequence has room for a verification in its
+context. Sequences that stopped since N was planned, or reach max_tokens at
 N for certain, get no row (the device histories are compacted to the rows that go on:
 `DeviceNgramChain.select_rows`). Waiting requests the synchronous step would admit are admitted
 behind the chained rows, with their real inputs (a refilled batch would otherwise be synchronous
 at every admission), if their sampling can ride (`may_ride`) and they speculate: their first
-token is decided on the device too, their histories join the chain's (`DeviceNgramChain.add_rows`), and the next step
-chains them (a draft model's cache is prefilled for them then). Anything else (a request with
-penalties or logprobs, one that fits only once the chain's reservations are released, a sequence
-without room)
-ends the chain: the next step is scheduled synchronously, with drafts from the host proposer.
+token is decided on the device too, their histories join the chain's
+(`DeviceNgramChain.add_rows`), and the next step chains them (a draft model's cache is prefilled
+for them then). Anything else (a request with penalties or logprobs, one that fits only once the
+chain's reservations are released, a sequence without room) ends the chain: the next step is
+scheduled synchronously, with drafts from the host proposer.
 """
 
 from __future__ import annotations
