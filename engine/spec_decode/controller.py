@@ -29,7 +29,7 @@ from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
 from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
 from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftRequest, Proposer
-from pagedinfer.engine.spec_decode.verifier import SpecVerifier
+from pagedinfer.engine.spec_decode.verifier import SpecVerifier, stack_draft_probs
 from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
 
 
@@ -192,20 +192,9 @@ class SpeculativeDecoder:
     def draft_probs_of(
         self, groups: Sequence[VerifyGroup], drafts: torch.Tensor, vocab_size: int
     ) -> torch.Tensor:
-        """[B, K, V] the q of each group's drafts [B, K] (0-padded), as the synchronous verifier
-        takes them: the proposal's distribution, or a point mass on the draft where it has none."""
-        k = drafts.shape[1]
-        probs = torch.zeros((len(groups), k, vocab_size), dtype=torch.float32, device=drafts.device)
-        for b, g in enumerate(groups):
-            n = len(g.draft_token_ids)
-            if not n:
-                continue
-            q = self._draft_probs.get(g.seq_id)
-            if q is None:
-                probs[b, :n].scatter_(1, drafts[b, :n, None], 1.0)
-            else:
-                probs[b, :n] = q[:n]
-        return probs
+        """[B, K, V] the q of each group's drafts [B, K] of this step's proposal, as the
+        synchronous verifier takes them (`stack_draft_probs`)."""
+        return stack_draft_probs(groups, drafts, self._draft_probs, vocab_size)
 
     def feed_device_drafts(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> None:
         """Write drafts left on the device into a step's input ids [T] (their rows hold

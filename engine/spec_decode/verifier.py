@@ -116,9 +116,8 @@ class SpecVerifier:
         num_groups, k = drafts.shape
         firsts = np.asarray(first_rows, dtype=np.int64)
         counts = np.asarray(num_drafts, dtype=np.int64)
-        steps = np.arange(k + 1)
-        index = firsts[:, None] + np.minimum(steps[None, :], counts[:, None])  # [B, K + 1]
-        valid = np.flatnonzero(steps[None, :] <= counts[:, None])  # group rows, flat over [B, K + 1]
+        index = _group_index(firsts, counts, k)  # [B, K + 1]
+        valid = np.flatnonzero(np.arange(k + 1)[None, :] <= counts[:, None])  # group rows, flat
         staged = torch.from_numpy(np.concatenate([index.reshape(-1), counts, firsts, valid]))
         if device.type == "cuda":
             staged = staged.pin_memory()
@@ -128,17 +127,8 @@ class SpecVerifier:
         counts_d = staged[size : size + num_groups]
         firsts_d = staged[size + num_groups : size + 2 * num_groups]
         valid_d = staged[size + 2 * num_groups :]
-        seeds, positions = _row_seeds(meta, processed.shape[0])
         out = self.rejection_sampler(
-            RejectionInputs(
-                target_logits=processed[index_d],  # [B, K + 1, V]
-                draft_token_ids=drafts,
-                num_draft_tokens=counts_d,
-                is_greedy=meta.is_greedy[firsts_d],
-                draft_probs=draft_probs,
-                seeds=None if seeds is None else seeds[firsts_d],
-                positions=None if positions is None else positions[firsts_d],
-            )
+            _inputs_at(processed, meta, index_d, firsts_d, drafts, counts_d, draft_probs)
         )
         tokens = torch.zeros(processed.shape[0], dtype=torch.int64, device=device)
         tokens[index_d.reshape(-1)[valid_d]] = out.token_ids.reshape(-1)[valid_d]
@@ -200,8 +190,7 @@ class _GroupArrays:
         self.first_rows = first_rows
         self.num_drafts = num_drafts
         self.draft_token_ids = draft_token_ids
-        steps = np.arange(draft_token_ids.shape[1] + 1)  # [K + 1]
-        self.index = first_rows[:, None] + np.minimum(steps[None, :], num_drafts[:, None])
+        self.index = _group_index(first_rows, num_drafts, draft_token_ids.shape[1])
 
     @classmethod
     def of(cls, groups: Sequence[VerifyGroup]) -> _GroupArrays:
@@ -227,23 +216,56 @@ def _rejection_inputs(
     groups: Sequence[VerifyGroup],
     draft_probs: Mapping[int, torch.Tensor],
 ) -> RejectionInputs:
-    device, vocab = processed.device, processed.shape[1]
-    num_groups = len(groups)
-    ks = arrays.num_drafts.tolist()
-    max_k = arrays.draft_token_ids.shape[1]
+    device = processed.device
     first_rows = torch.from_numpy(arrays.first_rows).to(device)  # [B]
     num_drafts = torch.from_numpy(arrays.num_drafts).to(device)  # [B]
     index = torch.from_numpy(arrays.index).to(device)  # [B, K + 1]
     drafts = torch.from_numpy(arrays.draft_token_ids).to(device)  # [B, K]
-    probs = None
-    if any(g.seq_id in draft_probs for g in groups if g.draft_token_ids):
-        probs = torch.zeros((num_groups, max_k, vocab), dtype=torch.float32, device=device)  # [B, K, V]
-        for b, g in enumerate(groups):
-            q = draft_probs.get(g.seq_id)
-            if q is None:  # a proposer without a distribution: q is a one-hot on the draft
-                probs[b, : ks[b]].scatter_(1, drafts[b, : ks[b]].unsqueeze(1), 1.0)
-            else:
-                probs[b, : ks[b]] = q[: ks[b]].to(device=device, dtype=torch.float32)
+    probs = None  # (every q a point mass: the sampler's own path for it)
+    if has_draft_probs(groups, draft_probs):
+        probs = stack_draft_probs(groups, drafts, draft_probs, processed.shape[1])
+    return _inputs_at(processed, meta, index, first_rows, drafts, num_drafts, probs, meta.all_greedy)
+
+
+def stack_draft_probs(
+    groups: Sequence[VerifyGroup],
+    drafts: torch.Tensor,  # [B, K] int64, 0-padded
+    draft_probs: Mapping[int, torch.Tensor],  # seq_id -> [>= k, V] q
+    vocab_size: int,
+) -> torch.Tensor:
+    """[B, K, V] fp32 the q of each group's drafts (0-padded): the proposal's distribution, or a
+    point mass on the draft where it has none (a proposer without one)."""
+    probs = torch.zeros((len(groups), drafts.shape[1], vocab_size), dtype=torch.float32, device=drafts.device)
+    for b, g in enumerate(groups):
+        n = len(g.draft_token_ids)
+        if not n:
+            continue
+        q = draft_probs.get(g.seq_id)
+        if q is None:
+            probs[b, :n].scatter_(1, drafts[b, :n, None], 1.0)
+        else:
+            probs[b, :n] = q[:n].to(device=drafts.device, dtype=torch.float32)
+    return probs
+
+
+def _group_index(first_rows: np.ndarray, num_drafts: np.ndarray, k: int) -> np.ndarray:
+    """[B, K + 1] each group's rows, padded: position i of group b -> row first_b + min(i, k_b)."""
+    steps = np.arange(k + 1)
+    return first_rows[:, None] + np.minimum(steps[None, :], num_drafts[:, None])
+
+
+def _inputs_at(
+    processed: torch.Tensor,  # [N, V]
+    meta: SamplingMetadata,
+    index: torch.Tensor,  # [B, K + 1] rows of each group (`_group_index`), on the device
+    first_rows: torch.Tensor,  # [B]
+    drafts: torch.Tensor,  # [B, K]
+    num_drafts: torch.Tensor,  # [B]
+    probs: torch.Tensor | None,  # [B, K, V] or None (point masses)
+    all_greedy: bool = False,
+) -> RejectionInputs:
+    """The rejection sampler's inputs for groups of rows: each group's logits, and its first
+    row's greedy flag, seed and output position (the sampler steps positions past it)."""
     seeds, positions = _row_seeds(meta, processed.shape[0])
     return RejectionInputs(
         target_logits=processed[index],  # [B, K + 1, V]
@@ -253,7 +275,7 @@ def _rejection_inputs(
         draft_probs=probs,
         seeds=None if seeds is None else seeds[first_rows],
         positions=None if positions is None else positions[first_rows],
-        all_greedy=meta.all_greedy,
+        all_greedy=all_greedy,
     )
 
 
