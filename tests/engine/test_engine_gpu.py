@@ -261,16 +261,23 @@ def test_seeded_sampling_in_ngram_chains_matches_plain(tiny_llama_dir, graphs, d
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def seeded_workload(min_tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The random prompts and a repetitive one (drafts get accepted), each request seeded (its own
+    seed) at temperature 0.7 / top-k 8, max_tokens growing by 3 from `min_tokens`."""
+    ps = prompts() + [[5, 6, 7, 8, 9] * 6]
+    params = [
+        SamplingParams(max_tokens=min_tokens + 3 * i, temperature=0.7, top_k=8, seed=i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    return ps, params
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_sampled_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
     """Seeded sampled requests with a draft model: drafts drawn on the device (each step fed by
     the draw before, q kept there for the rejection sampler) are the drafts the host draws step
     by step, so the tokens and the verifications are the same."""
-    ps = prompts() + [[5, 6, 7, 8, 9] * 6]
-    params = [
-        SamplingParams(max_tokens=8 + 3 * i, temperature=0.7, top_k=8, seed=i, ignore_eos=True)
-        for i in range(len(ps))
-    ]
+    ps, params = seeded_workload(min_tokens=8)
     results = []
     for device_drafts in (True, False):
         spec = SpeculativeConfig(
@@ -296,11 +303,7 @@ def test_chained_pair_with_seeded_sampling_matches_the_synchronous_pair(tiny_lla
     so prompts are admitted into chained steps) against the synchronous pair: the same draws, so
     the same tokens up to K + 1 before max_tokens (where the synchronous pair drafts fewer)."""
     k = 3
-    ps = prompts() + [[5, 6, 7, 8, 9] * 6]
-    params = [
-        SamplingParams(max_tokens=12 + 3 * i, temperature=0.7, top_k=8, seed=i, ignore_eos=True)
-        for i in range(len(ps))
-    ]
+    ps, params = seeded_workload(min_tokens=12)
     outs = []
     for chain in (True, False):
         spec = SpeculativeConfig(

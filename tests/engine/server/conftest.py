@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 DEFAULT_MODEL = os.environ.get("PAGEDINFER_TEST_MODEL", "builtin://smollm2-135m")
@@ -215,3 +216,15 @@ def server(request: pytest.FixtureRequest) -> Iterator[ServerProc]:
     finally:
         code = proc.stop()
         assert code == 0, f"server exited with {code}:\n{proc.log()[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    """The official OpenAI SDK on the module's server (no retries: errors show as they are)."""
+    return openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The served model's name, as the server lists it."""
+    return client.models.list().data[0].id

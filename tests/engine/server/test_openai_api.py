@@ -18,16 +18,6 @@ SERVER_ARGS = ("--max-request-bytes", "65536", "--max-waiting-requests", "2", "-
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def _metrics(server) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{server.http}/metrics").text
     return {

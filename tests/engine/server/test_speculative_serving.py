@@ -10,7 +10,6 @@ import json
 
 import grpc
 import httpx
-import openai
 import pytest
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,16 +21,6 @@ SERVER_MODEL = "tiny"
 SERVER_ARGS = ("--speculative-method", "ngram", "--num-speculative-tokens", "3")
 PROMPT = "ab ab ab ab ab ab ab ab ab ab ab ab"  # the random model's continuation repeats: drafts match
 DRAFTS = "pagedinfer_spec_decode_draft_tokens_total"
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 from pagedinfer.engine.config import SpeculativeConfig
 from pagedinfer.engine.sampling_params import SamplingParams
 from tests.engine.spec_decode.test_spec_engine import (
+    SEEDED_MIX,
     assert_no_leak,
     follow_up_reuse,
     generate,
@@ -19,6 +20,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     prompts,
     run_requests,
     trace_admissions,
+    trace_chained_requests,
 )
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
@@ -310,21 +312,6 @@ def test_a_queue_is_admitted_into_chained_steps(tiny_llama_dir, plain, seed, dev
     assert_no_leak(llm)
 
 
-def _trace_chained_requests(core) -> set[str]:
-    """Filled as the engine runs: the request ids that had rows in a chained step."""
-    in_chains: set[str] = set()
-    launch = core.runner.launch_forward
-
-    def traced(sched, *args, **kwargs):
-        if sched.feeds_drafts:
-            by_seq_id = core.scheduler._by_seq_id
-            in_chains.update(by_seq_id[s.seq_id].request_id for s in sched.sequences if s.seq_id in by_seq_id)
-        return launch(sched, *args, **kwargs)
-
-    core.runner.launch_forward = traced
-    return in_chains
-
-
 def test_only_history_free_sampling_is_admitted_into_a_chain(tiny_llama_dir, plain):
     """A chained n-gram step draws every row on the device as the plain sampler would: a waiting
     request that samples (temperature > 0, seeded) joins it, one that asks for logprobs or has
@@ -339,18 +326,10 @@ def test_only_history_free_sampling_is_admitted_into_a_chain(tiny_llama_dir, pla
     params = [greedy, short, sampled, with_logprobs, penalized]
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
     llm = chained(tiny_llama_dir, unpaused(1), max_num_seqs=2)
-    in_chains = _trace_chained_requests(llm.core)
+    in_chains = trace_chained_requests(llm.core)
     assert _run(llm.core, ps, params) == want
     assert {"r0", "r1", "r2"} <= in_chains and not {"r3", "r4"} & in_chains, in_chains
     assert_no_leak(llm)
-
-
-SAMPLED_MIX = [
-    SamplingParams(max_tokens=28, temperature=0.4, seed=11, ignore_eos=True),
-    SamplingParams(max_tokens=20, temperature=0.8, top_k=5, top_p=0.9, seed=12, ignore_eos=True),
-    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=16, temperature=0.3, min_p=0.1, seed=13, ignore_eos=True),
-]
 
 
 @pytest.mark.parametrize(("device_steps", "max_num_seqs"), [(1, 8), (4, 8), (1, 3), (4, 3)])
@@ -360,10 +339,10 @@ def test_seeded_sampling_in_chains_is_the_plain_output(tiny_llama_dir, plain, de
     row is drawn with its seeded noise at an output position read from the device's histories,
     so every request's tokens equal the plain engine's. Drafts are accepted; nothing leaks."""
     ps = prompts(4, seed=9) + prompts(3, seed=10)
-    params = [SAMPLED_MIX[i % len(SAMPLED_MIX)] for i in range(len(ps))]
+    params = [SEEDED_MIX[i % len(SEEDED_MIX)] for i in range(len(ps))]
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
     llm = chained(tiny_llama_dir, unpaused(device_steps), max_num_seqs=max_num_seqs)
-    in_chains = _trace_chained_requests(llm.core)
+    in_chains = trace_chained_requests(llm.core)
     assert _run(llm.core, ps, params) == want
     sampled = {f"r{i}" for i, p in enumerate(params) if p.temperature > 0}
     assert sampled <= in_chains, in_chains

@@ -18,6 +18,7 @@ from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
 from pagedinfer.engine.spec_decode.self_draft import LayerSubsetDraft
 from tests.engine.spec_decode.test_spec_engine import (
     MAX_MODEL_LEN,
+    SEEDED_MIX,
     assert_no_leak,
     attach_draft,
     greedy_workload,
@@ -27,6 +28,7 @@ from tests.engine.spec_decode.test_spec_engine import (
     run_requests,
     step_through,
     trace_admissions,
+    trace_chained_requests,
 )
 
 K = 3
@@ -296,14 +298,6 @@ def test_an_admitted_prompt_joins_the_chain_at_once(tiny_llama_dir, plain, seed,
     assert_no_leak(llm)
 
 
-SAMPLED_MIX = [
-    SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True),
-    SamplingParams(max_tokens=16, temperature=1.0, top_k=6, top_p=0.9, seed=4, ignore_eos=True),
-    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=12, temperature=0.5, min_p=0.05, seed=5, ignore_eos=True),
-]
-
-
 @pytest.mark.parametrize("sched", [{}, {"max_num_seqs": 3}], ids=["batch", "queue"])
 def test_sampled_requests_ride_the_pairs_chains(tiny_llama_dir, sched):
     """Seeded sampled requests (with greedy ones) through the pair: chained steps draw the drafts
@@ -312,23 +306,12 @@ def test_sampled_requests_ride_the_pairs_chains(tiny_llama_dir, sched):
     prompts admitted into chained steps too (3 seats). The same tokens and the same verifications
     as the synchronous pair, step by step; the draft records equal the written KV; no leak."""
     ps = prompts(4, seed=8)
-    params = [SAMPLED_MIX[i % len(SAMPLED_MIX)] for i in range(len(ps))]
+    params = [SEEDED_MIX[i % len(SEEDED_MIX)] for i in range(len(ps))]
     sync = _pair(tiny_llama_dir, False, **sched)
     sync_out, sync_checks = _generate(sync, ps, params)
     llm = _pair(tiny_llama_dir, True, **sched)
     core = llm.core
-    in_chains: set[str] = set()
-    launch = core.runner.launch_forward
-
-    def traced(sched_out, *args, **kwargs):
-        if sched_out.feeds_drafts:
-            by_seq_id = core.scheduler._by_seq_id
-            in_chains.update(
-                by_seq_id[s.seq_id].request_id for s in sched_out.sequences if s.seq_id in by_seq_id
-            )
-        return launch(sched_out, *args, **kwargs)
-
-    core.runner.launch_forward = traced
+    in_chains = trace_chained_requests(core)
     chained_out, chained_checks = _generate(llm, ps, params)
     # Within K + 1 tokens of max_tokens the synchronous pair drafts fewer than K (a chained step
     # always K): there a token may be decided by other draws (an accepted draft in one, a bonus

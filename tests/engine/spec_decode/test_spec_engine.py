@@ -31,6 +31,14 @@ from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 MAX_MODEL_LEN = 128
+# Seeded sampled requests (temperature, top-k / top-p, min-p) with a greedy one: tokens that a
+# speculative engine must reproduce exactly where its draws are plain decoding's
+SEEDED_MIX = [
+    SamplingParams(max_tokens=28, temperature=0.4, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.8, top_k=5, top_p=0.9, seed=12, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.3, min_p=0.1, seed=13, ignore_eos=True),
+]
 
 
 def make_llm(folder, spec: SpeculativeConfig | None = None, num_blocks=256, **sched) -> LLM:
@@ -130,6 +138,21 @@ def trace_admissions(core) -> list[tuple[bool, bool]]:
 
     core.runner.launch_forward = traced
     return log
+
+
+def trace_chained_requests(core) -> set[str]:
+    """Filled as the engine runs: the request ids that had rows in a chained step."""
+    in_chains: set[str] = set()
+    launch = core.runner.launch_forward
+
+    def traced(sched, *args, **kwargs):
+        if sched.feeds_drafts:
+            by_seq_id = core.scheduler._by_seq_id
+            in_chains.update(by_seq_id[s.seq_id].request_id for s in sched.sequences if s.seq_id in by_seq_id)
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch_forward = traced
+    return in_chains
 
 
 def kv_record(kv: KVCacheManager, seq_id: int) -> list[int]:
