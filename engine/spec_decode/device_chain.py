@@ -108,14 +108,7 @@ class DeviceNgramChain:
 
     def start(self, token_lists: Sequence[Sequence[int]]) -> None:
         """Upload the histories of a chain's first step (row b: sequence b's known tokens)."""
-        n = len(token_lists)
-        staging, lens = self._staging.numpy(), self._staging_len.numpy()
-        for b, tokens in enumerate(token_lists):
-            staging[b, : len(tokens)] = tokens
-            lens[b] = len(tokens)
-        longest = int(lens[:n].max()) if n else 0
-        self.history[:n, :longest].copy_(self._staging[:n, :longest], non_blocking=True)
-        self.history_len[:n].copy_(self._staging_len[:n], non_blocking=True)
+        self._upload(0, token_lists, self._staging, self._staging_len)
 
     def add_rows(self, first: int, token_lists: Sequence[Sequence[int]]) -> None:
         """Upload the histories of sequences that join a chained step (prompts it admitted) as
@@ -126,16 +119,23 @@ class DeviceNgramChain:
         if first + n > self.max_seqs:
             raise ValueError(f"{first + n} chained sequences exceed the chain's {self.max_seqs}")
         hist = self._add_hist.take(n, self.history.shape[1])
-        lens = self._add_len.take(n)
+        self._upload(first, token_lists, hist, self._add_len.take(n))
+        self._add_hist.copied()
+        self._add_len.copied()
+
+    def _upload(
+        self, first: int, token_lists: Sequence[Sequence[int]], hist: torch.Tensor, lens: torch.Tensor
+    ) -> None:
+        """Rows first, first + 1, ... of the histories from `token_lists`, through the host
+        buffers `hist` [>= n, W] and `lens` [>= n] (pinned on CUDA: the copies do not wait)."""
+        n = len(token_lists)
         staging, lens_np = hist.numpy(), lens.numpy()
         for b, tokens in enumerate(token_lists):
             staging[b, : len(tokens)] = tokens
             lens_np[b] = len(tokens)
-        longest = int(lens_np[:n].max())
+        longest = int(lens_np[:n].max()) if n else 0
         self.history[first : first + n, :longest].copy_(hist[:n, :longest], non_blocking=True)
         self.history_len[first : first + n].copy_(lens[:n], non_blocking=True)
-        self._add_hist.copied()
-        self._add_len.copied()
 
     def accept(
         self,
