@@ -152,6 +152,12 @@ probe spec_pair_kernels_off env PAGEDINFER_ARGMAX_KERNEL=0 PAGEDINFER_GEMV_MAX_R
   --device cuda --out "$OUTDIR/spec_kernels_off" --workloads pair --batches 1,8 --ks 2,4,6 --max-tokens 128 --rounds 3
 # where a batch-8 K 4 pair step's device time goes (busy / idle per step, kernels by category)
 probe profile_spec_b8 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads pair --batch 8 --k 4 --tag _b8k4
+# where the host thread waits for the GPU outside collect(): torch's sync debug mode over greedy and
+# seeded-sampled requests, plain and n-gram (SmolLM2; ~30 s)
+probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
+# where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
+probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --tag _ngram_b1k4
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,

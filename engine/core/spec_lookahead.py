@@ -30,6 +30,7 @@ scheduled synchronously, with drafts from the host proposer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,7 @@ def plan_spec_lookahead(
     reserve_drafts: Callable[..., Callable[[], None] | None] | None = None,
     may_chain: Callable[[list], bool] | None = None,
     may_ride: Callable[[SamplingParams], bool] = is_plain_greedy,
+    tokens_per_step: Callable[[int], float] | None = None,
 ) -> SchedulerOutput | None:
     """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
     steps of K drafts a sequence, each fed by the one before.
@@ -75,7 +77,12 @@ def plan_spec_lookahead(
     its chained rows (prefill chunks with real inputs; one device step), where they may ride
     (`may_join` with `may_ride`, the sampling a chained step can decide on the device, and
     `may_chain(running)` after them: the chain's capacity and policy); else the
-    chain ends, and the synchronous step admits them."""
+    chain ends, and the synchronous step admits them.
+
+    `tokens_per_step(seq_id)`: the tokens a device step is expected to emit for a sequence. With
+    it, the device steps stop at the expected end of the sequence that runs longest (its
+    max_tokens): a device step past every sequence's end still costs a whole step, and the host
+    learns of the end only after the launch's last step."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
     if not scheduler.running or len(prev.sequences) < len(scheduler.running):
@@ -88,6 +95,7 @@ def plan_spec_lookahead(
     max_len = scheduler.max_model_len
     q = k + 1
     steps = max_device_steps
+    needed = 0  # device steps the longest-running sequence is expected to need (capped by steps)
     seqs = []
     ends: list[int] = []  # N's inputs end here: N+1's first position if all its drafts survive
     kept: list[int] = []  # N's rows that continue (none for a sequence that stopped or will at N)
@@ -114,15 +122,26 @@ def plan_spec_lookahead(
             return None  # no room in the context for a verification: the synchronous step decides
         max_tokens = row.sampling_params.max_tokens
         if max_tokens is not None:
-            room = min(room, max_tokens - row.output_position - prev.num_device_steps)
+            left = max_tokens - row.output_position  # before N's device steps
+            room = min(room, left - prev.num_device_steps)
             if room < 1:
                 continue  # it reaches max_tokens at N for certain: no row
+            if tokens_per_step is not None:
+                per_step = tokens_per_step(seq.seq_id)
+                needed = max(needed, math.ceil((left - prev.num_device_steps * per_step) / per_step))
+            else:
+                needed = max_device_steps
+        else:
+            needed = max_device_steps
         steps = min(steps, room)
         seqs.append(seq)
         ends.append(end)
         kept.append(i)
     if not seqs or num_live != len(scheduler.running):
         return None  # nothing continues, or a running sequence N does not hold
+    # At least one: expected to end within N, a sequence may still need a step (no host pass
+    # in between: a chain of one step costs less than the wait for N's tokens).
+    steps = min(steps, max(1, needed))
     if len(seqs) * q > scheduler.config.max_num_batched_tokens:
         return None  # over the step's token budget (the input buffers): the synchronous step splits
     if admitting:

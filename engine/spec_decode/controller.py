@@ -90,6 +90,11 @@ class SpeculativeDecoder:
             and not all(self.policy.is_paused(seq.seq_id) for seq in running)
         )
 
+    def tokens_per_step(self, seq_id: int) -> float:
+        """Expected tokens a chained device step emits for a sequence (the planner's estimate of
+        the device steps it still needs before max_tokens)."""
+        return self.policy.tokens_per_step(seq_id, self.config.num_speculative_tokens)
+
     @property
     def chain_samples(self) -> bool:
         """Whether chained steps may sample (history-free sampling; see `may_ride_chain`): n-gram
@@ -314,9 +319,9 @@ class SpeculativeDecoder:
                 (st.seq_id, s.num_spec_tokens, len(st.token_ids) - 1) for s, st in _with_drafts(sched, result)
             ]
         for seq_id, k, accepted in checks:
+            self.policy.observe(seq_id, k, accepted)  # (k = 0: a step's tokens, no acceptance)
             if k == 0:
                 continue
-            self.policy.observe(seq_id, k, accepted)
             self.stats.num_draft_tokens += k
             self.stats.num_accepted_tokens += accepted
             self.stats.num_verified_sequences += 1

@@ -28,6 +28,10 @@ class _SequenceStats:
     tried_ema: float = 0.2
     num_observations: int = 0
     paused_steps_left: int = 0
+    # Tokens a device step emitted for the sequence (1 + accepted; 1 where it drafted nothing),
+    # averaged the same way: how many device steps a chain should plan near max_tokens.
+    tokens_ema: float = 0.0
+    num_steps_seen: int = 0
 
     @property
     def acceptance_ema(self) -> float:
@@ -78,7 +82,8 @@ class SpeculationPolicy:
             return True
         stats.paused_steps_left -= 1
         if stats.paused_steps_left == 0:
-            self._seqs[seq_id] = _SequenceStats()  # probe afresh
+            # probe afresh (its tokens a step stay: they describe the steps it rides anyway)
+            self._seqs[seq_id] = _SequenceStats(tokens_ema=stats.tokens_ema, num_steps_seen=stats.num_steps_seen)
             return True
         return False
 
@@ -87,9 +92,16 @@ class SpeculationPolicy:
         return stats is not None and stats.paused_steps_left > 0
 
     def observe(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+        """One step's outcome for a sequence: drafts verified (0: it drafted nothing, e.g. an
+        unmatched n-gram) and how many were accepted."""
+        stats = self._seqs.setdefault(seq_id, _SequenceStats())
+        emitted = num_accepted + 1
+        stats.tokens_ema = (
+            emitted if stats.num_steps_seen == 0 else self.ema_decay * stats.tokens_ema + (1 - self.ema_decay) * emitted
+        )
+        stats.num_steps_seen += 1
         if num_drafts <= 0:
             return
-        stats = self._seqs.setdefault(seq_id, _SequenceStats())
         # Per-token acceptance, independent of K: drafts are checked in order up to the first
         # rejection, so accepted + (1 if one was rejected) positions were tried (accepted / K would
         # read alpha 0.46 at K 4 as 0.2 and pause sequences that pay).
@@ -102,6 +114,14 @@ class SpeculationPolicy:
             stats.paused_steps_left = 0  # recovered while riding along: no need to sit it out
         elif stats.num_observations >= self.min_observations:
             stats.paused_steps_left = self.probe_interval
+
+    def tokens_per_step(self, seq_id: int, k: int) -> float:
+        """Expected tokens a verification step emits for the sequence: its recent average, or
+        K + 1 before it has one (optimistic: a chain then plans the fewest device steps)."""
+        stats = self._seqs.get(seq_id)
+        if stats is None or stats.num_steps_seen == 0:
+            return float(k + 1)
+        return max(1.0, stats.tokens_ema)
 
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

@@ -216,3 +216,33 @@ def test_device_steps_stop_short_of_max_tokens_and_the_context():
     s2.update(first, ModelRunnerOutput([SampledTokens(0, [7])]))
     step_n = s2.schedule()  # its input ends at 46 of max_model_len 64: 18 // (K + 1) = 4 steps
     assert plan_spec_lookahead(s2, step_n, K, 8).num_device_steps == 4
+
+
+def test_device_steps_stop_at_the_expected_end_of_the_longest_running_sequence():
+    """With the expected tokens a step emits, a chain plans no more device steps than the sequence
+    that runs longest is expected to need before max_tokens (at least one); without it, as many as
+    the certain bound allows."""
+
+    def step_n_of(max_tokens: list[int | None]):
+        s = _scheduler()
+        for i, m in enumerate(max_tokens):
+            params = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+            s.add_request(Request(i, f"r{i}", 0, [5, 6, 7], params, 0.0, eos_token_ids=(2,)))
+        first = s.schedule()
+        s.update(first, ModelRunnerOutput([SampledTokens(x.seq_id, [7]) for x in first.sequences]))
+        return s, s.schedule()  # N at output position 1, one device step in flight
+
+    def steps(max_tokens, per_step):
+        s, step_n = step_n_of(max_tokens)
+        estimate = None if per_step is None else (lambda seq_id: per_step[seq_id])
+        return plan_spec_lookahead(s, step_n, K, 8, tokens_per_step=estimate).num_device_steps
+
+    # 19 tokens left before N, N expected to emit 4: ceil(15 / 4) = 4 more steps, not 8
+    assert steps([20], None) == 8
+    assert steps([20], {0: 4.0}) == 4
+    assert steps([20], {0: 1.0}) == 8  # one token a step: the certain bound (18) is above 8
+    assert steps([20], {0: 30.0}) == 1  # expected to end within N: one step, not none
+    # the longest-running sequence decides: one without max_tokens, or one far from it
+    assert steps([20, None], {0: 30.0, 1: 4.0}) == 8
+    assert steps([20, 40], {0: 30.0, 1: 4.0}) == 8  # 39 left: ceil(35 / 4) = 9, capped at 8
+    assert steps([20, 30], {0: 30.0, 1: 4.0}) == 7  # 29 left: ceil(25 / 4) = 7

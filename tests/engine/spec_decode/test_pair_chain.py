@@ -101,7 +101,8 @@ def _generate(llm, ps, params):
     observe = spec.policy.observe
 
     def record(seq_id, k, accepted):
-        checks.setdefault(seq_id, []).append((k, accepted))
+        if k > 0:  # (steps without drafts are observed for their tokens only)
+            checks.setdefault(seq_id, []).append((k, accepted))
         observe(seq_id, k, accepted)
 
     spec.policy.observe = record

@@ -21,6 +21,7 @@ from pagedinfer.engine.config import (
 )
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.sampling_params import SamplingParams
+from tests.engine.spec_decode.test_spec_engine import trace_wasted_device_steps
 
 TEXT = (
     "The committee met on Monday to review the budget. The committee approved the budget for "
@@ -29,15 +30,19 @@ TEXT = (
 TASKS = [f"Rewrite the following text, replacing 'Monday' with 'Tuesday'. Text: {TEXT}"]
 
 
-@pytest.fixture(scope="module")
-def llm():
+def make_engine(**scheduler) -> LLM:
     config = EngineConfig(
         cache=CacheConfig(block_size=16, num_blocks=64),
-        scheduler=SchedulerConfig(max_model_len=512),
+        scheduler=SchedulerConfig(max_model_len=512, **scheduler),
         device=DeviceConfig(device="cpu", dtype="float32"),
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
     )
     return LLM(config)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_engine()
 
 
 def test_smollm2_ngram_greedy_is_identical_and_accepts_drafts(llm):
@@ -86,4 +91,40 @@ def test_smollm2_ngram_seeded_sampling_emits_the_plain_tokens(llm, params):
     drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
     assert accepted >= 10, (drafted, accepted)  # several tokens a step came from the matching
     kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+MAX_TOKENS_OF_CHAINS = (31, 34, 37, 40, 43, 46)  # every alignment of the end with a launch's 4 steps
+
+
+def test_smollm2_chains_stop_at_the_expected_end(llm):
+    """Chained on the device (async scheduling, 4 device steps a launch), a sequence that accepts
+    ~3 drafts a step would leave up to 3 device steps running past max_tokens under the certain
+    bound (one token a step); planned from its recent tokens a step, at most one a request runs
+    past the end on average. Output identical to plain decoding either way."""
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TASKS]
+    plain = SamplingParams(
+        max_tokens=max(MAX_TOKENS_OF_CHAINS), temperature=0.0, ignore_eos=True, use_speculation=False
+    )
+    expected = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=plain)]
+    chained = make_engine(async_scheduling=True)
+    runs = {}
+    for capped in (False, True):
+        core = chained.core
+        if not capped:  # one token a step: no more than the certain bound
+            core.spec_decoder.tokens_per_step = lambda seq_id: 1.0
+        wasted = trace_wasted_device_steps(core)
+        before = core.num_chained_steps
+        for max_tokens in MAX_TOKENS_OF_CHAINS:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            got = [o.token_ids for o in chained.generate(prompt_token_ids=prompts, sampling_params=params)]
+            assert got == [e[:max_tokens] for e in expected]
+        if not capped:
+            del core.spec_decoder.tokens_per_step
+        runs[capped] = (sum(wasted), core.num_chained_steps - before)
+        core.spec_decoder.observe = type(core.spec_decoder).observe.__get__(core.spec_decoder)
+    n = len(MAX_TOKENS_OF_CHAINS)  # (measured: 15 wasted device steps -> 5 over the 6 requests)
+    assert runs[True][0] <= n and runs[False][0] >= runs[True][0] + n, runs
+    assert chained.core.spec_decoder.stats.mean_accepted_length > 2.5
+    kv = chained.core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks

@@ -155,6 +155,25 @@ def trace_chained_requests(core) -> set[str]:
     return in_chains
 
 
+def trace_wasted_device_steps(core) -> list[int]:
+    """Filled as the engine runs: per chained launch, its device steps that no sequence used (they
+    started after every sequence's tokens had ended, e.g. at max_tokens)."""
+    spec = core.spec_decoder
+    observe = spec.observe
+    wasted: list[int] = []
+
+    def traced(sched, result, applied=None):
+        if sched.feeds_drafts and result.device_steps is not None:
+            used: dict[int, int] = {}
+            for seq_id, _, _ in result.verifications(applied):
+                used[seq_id] = used.get(seq_id, 0) + 1
+            wasted.append(sched.num_device_steps - max(used.values(), default=0))
+        return observe(sched, result, applied)
+
+    spec.observe = traced
+    return wasted
+
+
 def kv_record(kv: KVCacheManager, seq_id: int) -> list[int]:
     """The token ids a KV cache manager records for a sequence, read block by block."""
     record = [t for b in kv.block_table(seq_id) for t in kv._blocks.block_tokens(b)]
