@@ -54,12 +54,6 @@ CONFIGS = [
     GemvConfig("dot", 16, 256, 4, 4),
     GemvConfig("dot", 32, 128, 4, 6),
     GemvConfig("dot", 64, 64, 4, 6),
-    GemvConfig("swap", 64, 128, 4, 4),
-    GemvConfig("swap", 64, 256, 4, 3),
-    GemvConfig("swap", 128, 128, 4, 4),
-    GemvConfig("swap", 128, 128, 8, 3),
-    GemvConfig("swap", 128, 256, 8, 3),
-    GemvConfig("swap", 64, 512, 4, 3),
 ]
 
 

@@ -11,9 +11,7 @@ Two variants of the same contract:
 - `reduce`: multiply-and-accumulate into a [BLOCK_N, BLOCK_K] fp32 tile, one reduction at the end
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
-  cores; rows of x padded to 16), for up to 16 rows;
-- `swap`: the same product with the operands swapped (the weight tile first, x's rows as the
-  MMA's narrow side), for 17-64 rows.
+  cores; rows of x padded to 16), for up to 16 rows.
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -29,7 +27,7 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GemvConfig:
-    variant: str  # "reduce", "dot" or "swap"
+    variant: str  # "reduce" or "dot"
     block_n: int
     block_k: int
     num_warps: int
@@ -114,52 +112,6 @@ def _gemv_dot_kernel(
     )
 
 
-@triton.jit
-def _gemv_swap_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # y.T = W @ x.T: the weight rows are the MMA's M side (64-128, where Hopper's warpgroup MMA
-    # works at full width) and the 17-64 rows of x its N side, instead of x padded to M.
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
-    n_mask = rn < N
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_mask = k < K
-        w = tl.load(
-            w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :],
-            mask=n_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_K]
-        xt = tl.load(
-            x_ptr + rm[None, :] * stride_xm + k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0
-        )  # [BLOCK_K, BLOCK_M]: x's tile, transposed by the addressing
-        acc = tl.dot(w, xt, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(
-        y_ptr + rm[None, :] * stride_ym + rn[:, None],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=n_mask[:, None] & m_mask[None, :],
-    )
-
-
 MAX_ROWS = 64  # the dot variant's row tile is the rows padded to 16, 32 or 64
 
 # From the H200 sweep of bench/gemv.py (2026-12-03, NOTES.md "Small-batch linear layers"): at one
@@ -215,9 +167,8 @@ def gemv(
         weight.stride(0),
         y.stride(0),
     )
-    if config.variant in ("dot", "swap"):
-        kernel = _gemv_dot_kernel if config.variant == "dot" else _gemv_swap_kernel
-        kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
+    if config.variant == "dot":
+        _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
     else:
         _gemv_reduce_kernel[grid](*args, **common)
     return y

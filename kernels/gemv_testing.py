@@ -46,9 +46,6 @@ INTERPRETER_CASES = [
     # 17-64 rows (a verification batch: B x (K + 1)): 32- and 64-row tiles
     GemvCase("dot_24rows", GemvConfig("dot", 32, 64, 4, 2), 24, 50, 130, bias=True),
     GemvCase("dot_64rows", GemvConfig("dot", 16, 64, 4, 2), 64, 33, 96, row_pad=3),
-    # the swapped operands (weight rows on the MMA's wide side) at 17-64 rows
-    GemvCase("swap_40rows_bias", GemvConfig("swap", 64, 64, 4, 2), 40, 70, 130, bias=True),
-    GemvCase("swap_17rows", GemvConfig("swap", 32, 32, 4, 2), 17, 45, 75, row_pad=3),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
