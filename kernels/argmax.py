@@ -1,11 +1,11 @@
 """Greedy token ids: the argmax of each row of logits [N, V], with V a vocabulary (~32k-256k).
 
 torch's argmax reduces a long row with few rows in flight: on the H200 one call over [1-5,
-128256] took 27-38 us (bench/results/profile_spec.json, batch 1), and a chained speculative step makes K + 1
-of them (K draft steps, one verification). Here one program owns one row and walks it in
-BLOCK-wide tiles with `num_warps` warps, keeping a running maximum per lane: the row's 256 KB
-(bf16) stream through one SM in a few microseconds, and a verification's 8-56 rows run side by
-side.
+128256] took 27-38 us (bench/results/profile_spec.json, batch 1), and a chained speculative step
+makes K + 1 of them (K draft steps, one verification). A first kernel gives every 2048-column
+piece of every row its own program (one load each: a 128k row is 63 programs, all in flight at
+once), a second merges each row's pieces. (One program walking its row tile by tile measured
+31 us a 128k row on the H100, 2026-12-05: each tile waited for its load in turn.)
 
 Same answer as torch.argmax(x, dim=-1) for finite and infinite values: the first index of the
 maximum (ties go to the lower index; a row of -inf gives 0). A NaN counts as the largest value,
@@ -28,24 +28,42 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _argmax_rows_kernel(x_ptr, out_ptr, n_cols, row_stride, BLOCK: tl.constexpr):
+    def _chunk_argmax(x_ptr, row, chunk, n_cols, row_stride, CHUNK: tl.constexpr):
+        """(maximum, its first column) of one CHUNK-wide piece of a row; NaN counts as +inf."""
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch (ties with +inf: rare)
+        top = tl.max(x, axis=0)
+        # the lowest column holding the maximum (a -inf piece: its first column)
+        return top, tl.min(tl.where(x == top, cols, n_cols), axis=0)
+
+    @triton.jit
+    def _argmax_chunks_kernel(x_ptr, out_ptr, best_ptr, idx_ptr, n_cols, row_stride, num_chunks, CHUNK: tl.constexpr):
+        # grid (rows, chunks): every piece of every row in flight at once (one load round trip),
+        # not one program walking its row tile after tile (latency-bound: ~30 us a 128k row)
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        top, idx = _chunk_argmax(x_ptr, row, chunk, n_cols, row_stride, CHUNK)
+        if num_chunks == 1:
+            tl.store(out_ptr + row, idx.to(tl.int64))
+        else:
+            tl.store(best_ptr + row * num_chunks + chunk, top)
+            tl.store(idx_ptr + row * num_chunks + chunk, idx)
+
+    @triton.jit
+    def _argmax_merge_kernel(best_ptr, idx_ptr, out_ptr, n_cols, num_chunks, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        base = x_ptr + row.to(tl.int64) * row_stride
         lanes = tl.arange(0, BLOCK)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + lanes
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch (ties with +inf: rare)
-            # strictly greater: a lane keeps its earliest column of an equal maximum
-            take = x > best
-            best = tl.where(take, x, best)
-            best_idx = tl.where(take, cols, best_idx)
+        mask = lanes < num_chunks
+        best = tl.load(best_ptr + row * num_chunks + lanes, mask=mask, other=float("-inf"))
+        idx = tl.load(idx_ptr + row * num_chunks + lanes, mask=mask, other=n_cols)
         top = tl.max(best, axis=0)
-        # the lowest column among the lanes holding the maximum (a -inf row: every lane, column 0)
-        idx = tl.min(tl.where(best == top, best_idx, n_cols), axis=0)
-        tl.store(out_ptr + row, idx.to(tl.int64))
+        # pieces are in column order and each holds its first maximum: the lowest wins ties
+        tl.store(out_ptr + row, tl.min(tl.where(best == top, idx, n_cols), axis=0).to(tl.int64))
+
+
+# Columns a program of the first kernel reduces (one load: 16 values a thread over 4 warps).
+CHUNK = 2048
 
 
 def argmax_rows(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
@@ -61,9 +79,16 @@ def argmax_rows(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         return x.argmax(dim=-1)
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    # 4096-wide tiles over 8 warps: 16 values in flight per thread (chosen, not yet swept on the
-    # H200: bench/argmax.py times it); small vocabularies use one tile.
-    block = min(4096, triton.next_power_of_2(x.shape[1]))
-    _argmax_rows_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=block, num_warps=8)
+    rows, n_cols = x.shape
+    chunk = min(CHUNK, triton.next_power_of_2(n_cols))
+    num_chunks = triton.cdiv(n_cols, chunk)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    best = torch.empty((rows, num_chunks), dtype=torch.float32, device=x.device) if num_chunks > 1 else out
+    idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device) if num_chunks > 1 else out
+    _argmax_chunks_kernel[(rows, num_chunks)](
+        x, out, best, idx, n_cols, x.stride(0), num_chunks, CHUNK=chunk, num_warps=4
+    )
+    if num_chunks > 1:  # the pieces' maxima, merged (a second launch: no atomics, deterministic)
+        block = triton.next_power_of_2(num_chunks)
+        _argmax_merge_kernel[(rows,)](best, idx, out, n_cols, num_chunks, BLOCK=block, num_warps=1 if block <= 128 else 4)
     return out

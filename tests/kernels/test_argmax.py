@@ -2,9 +2,9 @@
 (one subprocess runs every case, since the interpreter must be on before triton is imported),
 and at vocabulary sizes on CUDA (marker gpu).
 
-Cases aim at what a running maximum per lane gets wrong: ties inside one lane and across lanes
-(the first index must win), the maximum in the last partial tile, rows of -inf, NaN, a row
-stride wider than the row (a vocabulary slice), and more columns than one tile.
+Cases aim at what a split reduction gets wrong: ties inside one 2048-column piece and across
+pieces (the first index must win), the maximum in the last partial piece, rows of -inf, NaN, a
+row stride wider than the row (a vocabulary slice), and one piece only (a small vocabulary).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def make_case(name: str, dtype: torch.dtype) -> torch.Tensor:
     """The logits of one case, rebuilt the same way in the interpreter's subprocess."""
     g = torch.Generator().manual_seed(sum(map(ord, name)))
-    if name == "random":  # more columns than one 4096-wide tile, last tile partial
+    if name == "random":  # five pieces, the last partial
         return torch.randn(5, 9000, generator=g).to(dtype)
     if name == "small_vocab":
         return torch.randn(3, 37, generator=g).to(dtype)
@@ -32,7 +32,7 @@ def make_case(name: str, dtype: torch.dtype) -> torch.Tensor:
         # few distinct values: every row has its maximum many times over, in many lanes
         return torch.randint(0, 4, (6, 5000), generator=g).to(dtype)
     if name == "tie_same_lane":
-        # the maximum at columns 4097 and 1 + 2 * 4096 (the same lane of later tiles) and at 9
+        # the maximum at columns 4097 and 8193 (later pieces) and at 9 (the first piece)
         x = torch.zeros(2, 8200, dtype=dtype)
         x[0, [4097, 8193]] = 1.0
         x[1, [8193, 9, 4097]] = 2.0
