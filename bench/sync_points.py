@@ -21,7 +21,13 @@ from pathlib import Path
 
 import torch
 
-from pagedinfer.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pagedinfer.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.sampling_params import SamplingParams
 
@@ -37,9 +43,15 @@ CASES = {  # name: (temperature, seed, use_speculation)
 }
 
 
-def run_case(llm: LLM, prompts: list[list[int]], temperature: float, seed, use_speculation: bool, max_tokens: int):
+def run_case(
+    llm: LLM, prompts: list[list[int]], temperature: float, seed, use_speculation: bool, max_tokens: int
+):
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True, use_speculation=use_speculation
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        ignore_eos=True,
+        use_speculation=use_speculation,
     )
     llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm-up (compiles, allocates)
     with warnings.catch_warnings(record=True) as caught:

@@ -275,7 +275,14 @@ class EngineCore:
             k, steps = spec.config.num_speculative_tokens, spec.config.device_chain_steps
             drafter = spec.reserve_chained_drafts if spec.chain_drafter is not None else None
             nxt = plan_spec_lookahead(
-                self.scheduler, sched, k, steps, drafter, spec.may_chain, spec.may_ride_chain, spec.tokens_per_step
+                self.scheduler,
+                sched,
+                k,
+                steps,
+                drafter,
+                spec.may_chain,
+                spec.may_ride_chain,
+                spec.tokens_per_step,
             )
         elif pending.chain is not None or (spec is not None and spec.may_draft(running)):
             return  # (a step decided on the device has no samples a plain lookahead could take)

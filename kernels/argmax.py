@@ -39,7 +39,9 @@ if triton_available():
         return top, tl.min(tl.where(x == top, cols, n_cols), axis=0)
 
     @triton.jit
-    def _argmax_chunks_kernel(x_ptr, out_ptr, best_ptr, idx_ptr, n_cols, row_stride, num_chunks, CHUNK: tl.constexpr):
+    def _argmax_chunks_kernel(
+        x_ptr, out_ptr, best_ptr, idx_ptr, n_cols, row_stride, num_chunks, CHUNK: tl.constexpr
+    ):
         # grid (rows, chunks): every piece of every row in flight at once (one load round trip),
         # not one program walking its row tile after tile (latency-bound: ~30 us a 128k row)
         row, chunk = tl.program_id(0), tl.program_id(1)
@@ -90,5 +92,7 @@ def argmax_rows(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     )
     if num_chunks > 1:  # the pieces' maxima, merged (a second launch: no atomics, deterministic)
         block = triton.next_power_of_2(num_chunks)
-        _argmax_merge_kernel[(rows,)](best, idx, out, n_cols, num_chunks, BLOCK=block, num_warps=1 if block <= 128 else 4)
+        _argmax_merge_kernel[(rows,)](
+            best, idx, out, n_cols, num_chunks, BLOCK=block, num_warps=1 if block <= 128 else 4
+        )
     return out

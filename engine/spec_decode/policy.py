@@ -83,7 +83,9 @@ class SpeculationPolicy:
         stats.paused_steps_left -= 1
         if stats.paused_steps_left == 0:
             # probe afresh (its tokens a step stay: they describe the steps it rides anyway)
-            self._seqs[seq_id] = _SequenceStats(tokens_ema=stats.tokens_ema, num_steps_seen=stats.num_steps_seen)
+            self._seqs[seq_id] = _SequenceStats(
+                tokens_ema=stats.tokens_ema, num_steps_seen=stats.num_steps_seen
+            )
             return True
         return False
 
@@ -97,7 +99,9 @@ class SpeculationPolicy:
         stats = self._seqs.setdefault(seq_id, _SequenceStats())
         emitted = num_accepted + 1
         stats.tokens_ema = (
-            emitted if stats.num_steps_seen == 0 else self.ema_decay * stats.tokens_ema + (1 - self.ema_decay) * emitted
+            emitted
+            if stats.num_steps_seen == 0
+            else self.ema_decay * stats.tokens_ema + (1 - self.ema_decay) * emitted
         )
         stats.num_steps_seen += 1
         if num_drafts <= 0:
