@@ -71,6 +71,53 @@ def run_case(
     return {"seconds": seconds, "sync_calls": sum(sites.values()), "sites": dict(sites.most_common())}
 
 
+def host_costs_while_busy(vocab: int = 49152) -> dict:
+    """Host ms a call of the sampled launch's pieces, with the device idle and with ~50 ms of work
+    queued ahead: a call that waits for the device costs the queue's length when busy."""
+    from pagedinfer.engine.core.scheduler_output import SamplingRow
+    from pagedinfer.engine.sample.metadata import SamplingMetadataBuilder
+    from pagedinfer.engine.sample.rng import hash_uniform
+    from pagedinfer.engine.sample.sampler import Sampler
+
+    dev = torch.device("cuda")
+    params = SamplingParams(temperature=0.7, seed=3)
+    rows = [SamplingRow(0, params, 3, 5, [1, 2], [3])]
+    builder = SamplingMetadataBuilder(vocab, dev)
+    meta = builder.build(rows)
+    logits = torch.randn(1, vocab, device=dev)
+    sampler = Sampler()
+    a = torch.randn(4096, 4096, device=dev)
+    pieces = {
+        "pinned_copy": lambda: (
+            torch.tensor([1, 2, 3], dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+        ),
+        "metadata_build": lambda: builder.build(rows),
+        "hash_uniform": lambda: hash_uniform(meta.seeds, meta.positions, vocab),
+        "sampler_draw": lambda: sampler.draw(sampler.process(logits, meta), meta),
+    }
+    out = {}
+    for name, fn in pieces.items():
+        for _ in range(3):
+            fn()  # warm-up
+        torch.cuda.synchronize()
+        times = {}
+        for state in ("idle", "busy"):
+            if state == "busy":
+                for _ in range(40):  # ~50 ms of queued matmuls
+                    a @ a
+            start = time.perf_counter()
+            for _ in range(10):
+                fn()
+            times[state] = (time.perf_counter() - start) / 10 * 1e3
+            torch.cuda.synchronize()
+        out[name] = times
+        print(
+            f"   host ms a call, {name}: idle {times['idle']:.3f}, device busy {times['busy']:.3f}",
+            flush=True,
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin://smollm2-135m")
@@ -88,10 +135,12 @@ def main() -> None:
         device=DeviceConfig(device="cuda", dtype="bfloat16"),
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
     )
+    results_host = host_costs_while_busy()
     llm = LLM(config)
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": f"Repeat this text: {TEXT}"}])
     prompts = [prompt] * args.batch
     results = {"device": torch.cuda.get_device_name(), "batch": args.batch, "max_tokens": args.max_tokens}
+    results["host_ms_while_busy"] = results_host
     for name, (temperature, seed, spec) in CASES.items():
         results[name] = run_case(llm, prompts, temperature, seed, spec, args.max_tokens)
         r = results[name]
