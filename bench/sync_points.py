@@ -76,7 +76,7 @@ def host_costs_while_busy(vocab: int = 49152) -> dict:
     queued ahead: a call that waits for the device costs the queue's length when busy."""
     from pagedinfer.engine.core.scheduler_output import SamplingRow
     from pagedinfer.engine.sample.metadata import SamplingMetadataBuilder
-    from pagedinfer.engine.sample.rng import hash_uniform
+    from pagedinfer.engine.sample.rng import hash_uniform, hash_uniform_reference
     from pagedinfer.engine.sample.sampler import Sampler
 
     dev = torch.device("cuda")
@@ -92,7 +92,8 @@ def host_costs_while_busy(vocab: int = 49152) -> dict:
             torch.tensor([1, 2, 3], dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
         ),
         "metadata_build": lambda: builder.build(rows),
-        "hash_uniform": lambda: hash_uniform(meta.seeds, meta.positions, vocab),
+        "hash_uniform": lambda: hash_uniform(meta.seeds, meta.positions, vocab),  # the kernel
+        "hash_uniform_torch_ops": lambda: hash_uniform_reference(meta.seeds, meta.positions, vocab),
         "sampler_draw": lambda: sampler.draw(sampler.process(logits, meta), meta),
     }
     out = {}

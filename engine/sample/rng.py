@@ -25,7 +25,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniforms in (0, 1) of shape [N, vocab_size] for seeds [N] int64 and positions [N] int64."""
+    """Uniforms in (0, 1) of shape [N, vocab_size] for seeds [N] int64 and positions [N] int64.
+
+    On a GPU one kernel computes the same bits (kernels/hash_uniform.py); the ops below are the
+    reference, and the CPU's path."""
+    from pagedinfer.kernels import hash_uniform as kernel
+
+    if seeds.dtype == positions.dtype == torch.int64 and kernel.uses_kernel(seeds):
+        return kernel.hash_uniform_kernel(seeds, positions, vocab_size)
+    return hash_uniform_reference(seeds, positions, vocab_size)
+
+
+def hash_uniform_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`hash_uniform` as torch ops (~90 elementwise kernels on a GPU)."""
     seed_lo = seeds & _MASK32
     seed_hi = (seeds >> 32) & _MASK32
     row_key = _mix32(_mix32(seed_lo ^ _mix32(seed_hi + 0x3C6EF372)) + positions * 0x9E37)  # [N]
