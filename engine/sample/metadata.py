@@ -33,6 +33,7 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None = None
     ban_rows: torch.Tensor | None = None  # [M] int64 (min_tokens bans)
     ban_token_ids: torch.Tensor | None = None  # [M] int64
+    any_greedy: bool = True  # False: every row samples (no argmax row to merge in)
 
     @property
     def num_rows(self) -> int:
@@ -110,6 +111,7 @@ def _param_tensors(params: list[SamplingParams], vocab_size: int, device: torch.
         seeds=None,
         positions=None,
         all_greedy=all(greedy),
+        any_greedy=any(greedy),
         any_top_k=any(k < vocab_size for k, g in zip(top_k, greedy, strict=False) if not g),
         any_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy, strict=False) if not g),
         any_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy, strict=False) if not g),

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedinfer.engine.sample.rng import hash_uniform
+from pagedinfer.kernels.argmax import argmax_rows
 
 # (target probs at the rejected position [B, V], draft probs there [B, V] or None for a point
 # mass, the rejected draft token [B]) -> the distribution to sample the replacement from [B, V]
@@ -132,7 +133,7 @@ class RejectionSampler:
         num_draft_tokens = inputs.num_draft_tokens.to(device=device, dtype=torch.int64)  # [B]
         is_greedy = inputs.is_greedy.to(device)  # [B]
         target_probs = torch.softmax(target_logits.float(), dim=-1)  # [B, K + 1, V]
-        target_argmax = target_logits.argmax(dim=-1)  # [B, K + 1]
+        target_argmax = _argmax_last(target_logits)  # [B, K + 1]
 
         # Acceptance per draft position.
         p_draft = target_probs[:, :num_drafts].gather(2, draft_ids.unsqueeze(2)).squeeze(2)  # [B, K]
@@ -159,7 +160,7 @@ class RejectionSampler:
     def _greedy(self, inputs: RejectionInputs) -> RejectionOutput:
         """All rows greedy: drafts are accepted while they equal the argmax, and the emitted
         tokens are exactly the argmaxes up to and including the first mismatch (or the bonus)."""
-        target_argmax = inputs.target_logits.argmax(dim=-1)  # [B, K + 1]
+        target_argmax = _argmax_last(inputs.target_logits)  # [B, K + 1]
         device = target_argmax.device
         num_drafts = target_argmax.shape[1] - 1
         draft_ids = inputs.draft_token_ids.to(device=device, dtype=torch.int64)  # [B, K]
@@ -234,7 +235,12 @@ def sample_from_probs(
         seeds = seeds.to(probs.device)
         u = hash_uniform(seeds.clamp(min=0), positions.to(probs.device), probs.shape[1])  # [B, V]
         noise = torch.where((seeds >= 0).unsqueeze(1), -torch.log(u), noise)
-    return (probs.float() / noise.clamp_(min=_TINY)).argmax(dim=-1)  # [B]
+    return argmax_rows(probs.float() / noise.clamp_(min=_TINY))  # [B]
+
+
+def _argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) through kernels/argmax.py (one launch on a GPU, the same ids)."""
+    return argmax_rows(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
 
 
 def _uniform(

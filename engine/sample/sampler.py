@@ -84,16 +84,17 @@ class Sampler:
 
     def draw(self, processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Tokens [N] from processed logits [N, V]: argmax for greedy rows, a race otherwise."""
-        greedy_ids = argmax_rows(processed)  # [N]
         if meta.all_greedy:
-            return greedy_ids
+            return argmax_rows(processed)  # [N]
         probs = processed.softmax(dim=-1)  # [N, V]
         noise = torch.empty_like(probs).exponential_()  # [N, V]
         if meta.seeded_rows is not None:
             u = hash_uniform(meta.seeds, meta.positions, probs.shape[-1])  # [S, V]
             noise[meta.seeded_rows] = -torch.log(u)
-        sampled = (probs / noise.clamp_min(_TINY)).argmax(dim=-1)  # [N]
-        return torch.where(meta.is_greedy, greedy_ids, sampled)
+        sampled = argmax_rows(probs / noise.clamp_min(_TINY))  # [N]
+        if not meta.any_greedy:  # (a batch of sampled rows: no argmax to merge in)
+            return sampled
+        return torch.where(meta.is_greedy, argmax_rows(processed), sampled)
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of logits [N, V]; logprobs are the model's raw ones."""
