@@ -136,14 +136,16 @@ def _with_row_state(
     meta = dataclasses.replace(tensors.meta)
     greedy = tensors.greedy
     seeded = [i for i, r in enumerate(rows) if r.seed is not None and not greedy[i]]
-    if seeded:
-        meta.seeded_rows = _to_device(torch.tensor(seeded, dtype=torch.int64), device)
-        meta.seeds = _to_device(
-            torch.tensor([rows[i].seed & ((1 << 63) - 1) for i in seeded], dtype=torch.int64), device
+    if seeded:  # one staged copy for the three (rows, seeds, positions): views of it
+        staged = torch.tensor(
+            [
+                seeded,
+                [rows[i].seed & ((1 << 63) - 1) for i in seeded],
+                [rows[i].output_position for i in seeded],
+            ],
+            dtype=torch.int64,
         )
-        meta.positions = _to_device(
-            torch.tensor([rows[i].output_position for i in seeded], dtype=torch.int64), device
-        )
+        meta.seeded_rows, meta.seeds, meta.positions = _to_device(staged, device).unbind(0)
     if tensors.any_penalty:
         meta.penalties = _penalty_tensors(rows, device)
     if tensors.any_min_tokens:  # otherwise no row is below its min_tokens
