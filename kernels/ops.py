@@ -9,6 +9,7 @@ writes the new tokens' K/V into the cache, then attention reads K/V only from th
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
@@ -19,6 +20,29 @@ BACKENDS = ("triton", "reference")
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+_FAILED_KERNELS: set[str] = set()
+
+
+def launch_or_fallback(name: str, launch, fallback):
+    """launch() unless kernel `name` failed to build for this GPU before; fallback() instead when
+    it does not build (a Triton compile error or a resource limit, raised before anything runs
+    on the device): logged once, and the kernel is not tried again in this process. The kernels'
+    own tests call them directly, so a kernel that does not build still fails its tests."""
+    if name in _FAILED_KERNELS:
+        return fallback()
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return launch()
+    except (CompilationError, OutOfResources) as exc:
+        _FAILED_KERNELS.add(name)
+        logging.getLogger(__name__).warning(
+            "kernel %s failed to build (%s): the torch ops instead", name, exc
+        )
+        return fallback()
 
 
 def select_backend(device: torch.device | str, requested: str | None = "auto") -> str:

@@ -30,10 +30,16 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     On a GPU one kernel computes the same bits (kernels/hash_uniform.py); the ops below are the
     reference, and the CPU's path."""
     from pagedinfer.kernels import hash_uniform as kernel
+    from pagedinfer.kernels.ops import launch_or_fallback
+
+    def reference() -> torch.Tensor:
+        return hash_uniform_reference(seeds, positions, vocab_size)
 
     if seeds.dtype == positions.dtype == torch.int64 and kernel.uses_kernel(seeds):
-        return kernel.hash_uniform_kernel(seeds, positions, vocab_size)
-    return hash_uniform_reference(seeds, positions, vocab_size)
+        return launch_or_fallback(
+            "hash_uniform", lambda: kernel.hash_uniform_kernel(seeds, positions, vocab_size), reference
+        )
+    return reference()
 
 
 def hash_uniform_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

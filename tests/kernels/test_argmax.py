@@ -60,12 +60,12 @@ CASES = ("random", "small_vocab", "ties", "tie_same_lane", "max_in_tail", "neg_i
 
 
 def _run_interpreter(out: str) -> None:
-    from pagedinfer.kernels.argmax import argmax_rows
+    from pagedinfer.kernels.argmax import argmax_rows_kernel
 
     results = {}
     for name in CASES:
         for dname, dtype in DTYPES.items():
-            results[f"{name}/{dname}"] = argmax_rows(make_case(name, dtype), backend="triton").tolist()
+            results[f"{name}/{dname}"] = argmax_rows_kernel(make_case(name, dtype)).tolist()
     Path(out).write_text(json.dumps(results))
 
 
@@ -104,17 +104,18 @@ def test_cpu_default_is_torch_and_bad_shape_is_refused():
 @pytest.mark.parametrize("vocab", [49152, 128256])
 @pytest.mark.parametrize("dname", ["bfloat16", "float32"])
 def test_gpu_matches_torch(rows, vocab, dname):
-    from pagedinfer.kernels.argmax import argmax_rows
+    from pagedinfer.kernels.argmax import argmax_rows, argmax_rows_kernel
 
     g = torch.Generator(device="cuda").manual_seed(rows * vocab)
     x = torch.randn(rows, vocab, device="cuda", generator=g).to(DTYPES[dname])
     x[0, vocab - 1] = 50.0  # a maximum in the last tile
     if rows > 1:
         x[1, 5] = x[1, 4000] = 50.0  # a tie: the first wins
-    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert torch.equal(argmax_rows_kernel(x), x.argmax(-1))
     # ties everywhere: a handful of distinct values
     y = torch.randint(0, 3, (rows, vocab), device="cuda", generator=g).to(DTYPES[dname])
-    assert torch.equal(argmax_rows(y), y.argmax(-1))
+    assert torch.equal(argmax_rows_kernel(y), y.argmax(-1))
+    assert torch.equal(argmax_rows(y), y.argmax(-1))  # the engine's entry
 
 
 if __name__ == "__main__":
