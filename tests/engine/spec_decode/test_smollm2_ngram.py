@@ -122,7 +122,8 @@ def test_smollm2_chains_stop_at_the_expected_end(llm):
         if not capped:
             del core.spec_decoder.tokens_per_step
         runs[capped] = (sum(wasted), core.num_chained_steps - before)
-        core.spec_decoder.observe = type(core.spec_decoder).observe.__get__(core.spec_decoder)
+        del core.spec_decoder.observe  # (the tracer's wrapper)
+        assert runs[capped][1] > 0  # chains ran
     n = len(MAX_TOKENS_OF_CHAINS)  # (measured: 15 wasted device steps -> 5 over the 6 requests)
     assert runs[True][0] <= n and runs[False][0] >= runs[True][0] + n, runs
     assert chained.core.spec_decoder.stats.mean_accepted_length > 2.5
