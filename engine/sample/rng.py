@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedinfer.kernels import hash_uniform as kernel
+from pagedinfer.kernels.ops import launch_or_fallback
+
 _MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D
 _M2 = 0x2C1B3C6D
@@ -29,8 +32,6 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 
     On a GPU one kernel computes the same bits (kernels/hash_uniform.py); the ops below are the
     reference, and the CPU's path."""
-    from pagedinfer.kernels import hash_uniform as kernel
-    from pagedinfer.kernels.ops import launch_or_fallback
 
     def reference() -> torch.Tensor:
         return hash_uniform_reference(seeds, positions, vocab_size)

@@ -48,6 +48,13 @@ def prompts(n: int = 11) -> list[list[int]]:
     ]
 
 
+def one_layer_draft(**config) -> SpeculativeConfig:
+    """The pair of these tests: the model's own first layer as its draft, K 3 unless given."""
+    return SpeculativeConfig(
+        **{"method": "draft", "draft_model": "self:first=1", "num_speculative_tokens": 3, **config}
+    )
+
+
 def test_cuda_graph_decode_matches_eager(tiny_llama_dir):
     eager = make_llm(tiny_llama_dir, graphs=False)
     graphed = make_llm(tiny_llama_dir, graphs=True)
@@ -163,13 +170,8 @@ def test_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
     want = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
     totals = []
     for device_drafts in (True, False):
-        spec = SpeculativeConfig(
-            method="draft",
-            draft_model="self:first=1",
-            num_speculative_tokens=3,
-            device_drafts=device_drafts,
-            device_chain=False,  # every step synchronous: the two verify the same drafts
-        )
+        # every step synchronous: the two verify the same drafts
+        spec = one_layer_draft(device_drafts=device_drafts, device_chain=False)
         llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=False)
         llm.core.spec_decoder.proposer.record_device_times = True
         assert [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == want
@@ -193,9 +195,7 @@ def test_chained_pair_matches_plain_greedy(tiny_llama_dir, graphs):
     # The 1-layer draft of this random model agrees ~9% of the time: the policy would pause most
     # sequences, and a batch paused whole ends a chain (on the CPU, 2026-12-05: 6 chained steps when
     # any pause ended one, 30 without pauses).
-    spec = SpeculativeConfig(
-        method="draft", draft_model="self:first=1", num_speculative_tokens=3, min_acceptance_rate=0.0
-    )
+    spec = one_layer_draft(min_acceptance_rate=0.0)
     llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True)
     proposer = llm.core.spec_decoder.proposer
     proposer.record_device_times = True
@@ -280,13 +280,7 @@ def test_sampled_device_drafts_match_host_drafts(tiny_llama_dir, graphs):
     ps, params = seeded_workload(min_tokens=8)
     results = []
     for device_drafts in (True, False):
-        spec = SpeculativeConfig(
-            method="draft",
-            draft_model="self:first=1",
-            num_speculative_tokens=3,
-            device_drafts=device_drafts,
-            device_chain=False,
-        )
+        spec = one_layer_draft(device_drafts=device_drafts, device_chain=False)
         llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=False)
         outs = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
         stats = llm.core.spec_decoder.stats
@@ -306,13 +300,7 @@ def test_chained_pair_with_seeded_sampling_matches_the_synchronous_pair(tiny_lla
     ps, params = seeded_workload(min_tokens=12)
     outs = []
     for chain in (True, False):
-        spec = SpeculativeConfig(
-            method="draft",
-            draft_model="self:first=1",
-            num_speculative_tokens=k,
-            min_acceptance_rate=0.0,
-            device_chain=chain,
-        )
+        spec = one_layer_draft(num_speculative_tokens=k, min_acceptance_rate=0.0, device_chain=chain)
         llm = make_llm(tiny_llama_dir, graphs=graphs, spec=spec, async_scheduling=True, max_num_seqs=3)
         outs.append([o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)])
         assert (llm.core.num_chained_steps > 10) is chain
