@@ -431,17 +431,26 @@ class DraftModelProposer:
         prev: torch.Tensor | None = None
         for step in range(k):
             q = 2 if step == 0 else 1
-            first = [e - 1 if step == 0 else e + step for e in ends]
-            layout = self.kv.build_batch(seq_ids, first, [q] * num_seqs)
-            key = self.graphs.select(num_seqs, q) if self.graphs is not None else None
-            last_rows = np.arange(q - 1, num_seqs * q, q, dtype=np.int64)
-            inputs = batch.stage(np.zeros(num_seqs * q, np.int64), layout, last_rows, key)
-            seq_lens = batch.seq_lens[:num_seqs]
-            if shift is None:
-                shift = seq_lens.to(torch.int64) - lens  # staged context L_max vs actual L
-            pos = batch.pos[: num_seqs * q].view(num_seqs, q)
-            pos.sub_(shift[:, None])
-            seq_lens.sub_(shift.to(seq_lens.dtype))
+            if step < 2:
+                first = [e - 1 if step == 0 else e + step for e in ends]
+                layout = self.kv.build_batch(seq_ids, first, [q] * num_seqs)
+                if step == 1 and k > 2:  # steps 2.. advance these rows on the device: the tables
+                    last = self.kv.build_batch(seq_ids, [e + k - 1 for e in ends], [1] * num_seqs)
+                    layout = dataclasses.replace(layout, block_tables=last.block_tables)  # reach them
+                key = self.graphs.select(num_seqs, q) if self.graphs is not None else None
+                last_rows = np.arange(q - 1, num_seqs * q, q, dtype=np.int64)
+                inputs = batch.stage(np.zeros(num_seqs * q, np.int64), layout, last_rows, key)
+                seq_lens = batch.seq_lens[:num_seqs]
+                if shift is None:
+                    shift = seq_lens.to(torch.int64) - lens  # staged context L_max vs actual L
+                pos = batch.pos[: num_seqs * q].view(num_seqs, q)
+                pos.sub_(shift[:, None])
+                seq_lens.sub_(shift.to(seq_lens.dtype))
+            else:  # one position on from the step before, in place: no host layout, no copies
+                pos.add_(1)
+                seq_lens.add_(1)
+                if key is None:  # eager: the longest context bounds its grid (graphs: capacity)
+                    inputs.attn_metadata.max_seq_len += 1
             slots = slots_at(batch.block_tables[:num_seqs], pos, self.kv.block_size)
             batch.slots[: num_seqs * q].view(num_seqs, q).copy_(slots)
             ids = batch.ids[: num_seqs * q].view(num_seqs, q)

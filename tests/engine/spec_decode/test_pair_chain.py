@@ -110,14 +110,14 @@ def _generate(llm, ps, params):
     return outs, [checks.get(seq_id, []) for seq_id in sorted(checks)]
 
 
-def _same_drafts(sync: list[tuple[int, int]], chained: list[tuple[int, int]]) -> int:
+def _same_drafts(sync: list[tuple[int, int]], chained: list[tuple[int, int]], k: int = K) -> int:
     """Verifications compared in order while the synchronous pair drafted all K (near max_tokens
     it drafts fewer, a chained step always K): equal accepted counts. Returns how many compared."""
     n = 0
     for (k_sync, a_sync), (k_chained, a_chained) in zip(sync, chained, strict=False):
-        if k_sync != K:
+        if k_sync != k:
             break
-        assert (k_chained, a_chained) == (K, a_sync), n
+        assert (k_chained, a_chained) == (k, a_sync), n
         n += 1
     return n
 
@@ -129,20 +129,22 @@ def plain(tiny_llama_dir):
 
 
 @pytest.mark.parametrize(
-    ("seed", "sched"),
+    ("seed", "sched", "k"),
     [
-        (0, {}),
-        (1, {}),
-        (2, {"max_num_seqs": 3}),
-        (3, {"num_blocks": 48, "max_num_seqs": 4}),
-        (4, {"max_num_batched_tokens": 10, "max_num_seqs": 4}),  # 4 chained rows of K + 1 exceed it
+        (0, {}, K),
+        (1, {}, K),
+        (2, {"max_num_seqs": 3}, K),
+        (3, {"num_blocks": 48, "max_num_seqs": 4}, K),
+        (4, {"max_num_batched_tokens": 10, "max_num_seqs": 4}, K),  # 4 chained rows of K + 1 exceed it
+        # Draft steps 2..5 advance on the device from step 1's staging, across block boundaries.
+        (5, {"max_num_seqs": 4}, 6),
     ],
 )
-def test_chained_pair_matches_plain_and_the_synchronous_pair(tiny_llama_dir, plain, seed, sched):
+def test_chained_pair_matches_plain_and_the_synchronous_pair(tiny_llama_dir, plain, seed, sched, k):
     ps, params = greedy_workload(random.Random(seed), 6, seed, (3, 30), stop_every=3)
     want = plain(ps, params)
-    sync = _pair(tiny_llama_dir, False, **sched)
-    chained = _pair(tiny_llama_dir, True, **sched)
+    sync = _pair(tiny_llama_dir, False, k=k, **sched)
+    chained = _pair(tiny_llama_dir, True, k=k, **sched)
     sync_out, sync_checks = _generate(sync, ps, params)
     chained_out, chained_checks = _generate(chained, ps, params)
     assert sync_out == want and chained_out == want
@@ -150,8 +152,8 @@ def test_chained_pair_matches_plain_and_the_synchronous_pair(tiny_llama_dir, pla
     # The chained steps drafted what the synchronous pair drafted: the same acceptance, step by
     # step, with partial acceptance common (a wrong position or context would show).
     assert len(sync_checks) == len(chained_checks)
-    compared = sum(_same_drafts(a, b) for a, b in zip(sync_checks, chained_checks, strict=True))
-    partial = sum(0 < a < K for checks in sync_checks for _, a in checks)
+    compared = sum(_same_drafts(a, b, k) for a, b in zip(sync_checks, chained_checks, strict=True))
+    partial = sum(0 < a < k for checks in sync_checks for _, a in checks)
     assert compared > 20 and partial > 10, (compared, partial)
     assert_no_leak(sync)
     assert_no_leak(chained)
