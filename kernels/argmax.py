@@ -28,15 +28,23 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def _first_max(values, cols, n_cols):
+        """(maximum, its lowest column) of values with columns cols; a NaN wins over everything
+        (+inf too), the first NaN among several, as in torch. The maximum is NaN then."""
+        nan = values != values
+        first_nan = tl.min(tl.where(nan, cols, n_cols), axis=0)
+        values = tl.where(nan, float("-inf"), values)  # (max stays NaN-free: maxnum)
+        top = tl.max(values, axis=0)
+        first_top = tl.min(tl.where(values == top, cols, n_cols), axis=0)  # (a -inf row: its first)
+        has_nan = first_nan < n_cols
+        return tl.where(has_nan, float("nan"), top), tl.where(has_nan, first_nan, first_top)
+
+    @triton.jit
     def _chunk_argmax(x_ptr, row, chunk, n_cols, row_stride, CHUNK: tl.constexpr):
-        """(maximum, its first column) of one CHUNK-wide piece of a row; NaN counts as +inf."""
+        """(maximum, its first column) of one CHUNK-wide piece of a row."""
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < n_cols, other=float("-inf"))
-        x = x.to(tl.float32)
-        x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch (ties with +inf: rare)
-        top = tl.max(x, axis=0)
-        # the lowest column holding the maximum (a -inf piece: its first column)
-        return top, tl.min(tl.where(x == top, cols, n_cols), axis=0)
+        return _first_max(x.to(tl.float32), cols, n_cols)
 
     @triton.jit
     def _argmax_chunks_kernel(
@@ -59,9 +67,9 @@ if triton_available():
         mask = lanes < num_chunks
         best = tl.load(best_ptr + row * num_chunks + lanes, mask=mask, other=float("-inf"))
         idx = tl.load(idx_ptr + row * num_chunks + lanes, mask=mask, other=n_cols)
-        top = tl.max(best, axis=0)
-        # pieces are in column order and each holds its first maximum: the lowest wins ties
-        tl.store(out_ptr + row, tl.min(tl.where(best == top, idx, n_cols), axis=0).to(tl.int64))
+        # each piece holds its first maximum (NaN: its first NaN): the lowest column wins ties
+        _, first = _first_max(best, idx, n_cols)
+        tl.store(out_ptr + row, first.to(tl.int64))
 
 
 # Columns a program of the first kernel reduces (one load: 16 values a thread over 4 warps).

@@ -27,17 +27,19 @@ _FAILED_KERNELS: set[str] = set()
 
 def launch_or_fallback(name: str, launch, fallback):
     """launch() unless kernel `name` failed to build for this GPU before; fallback() instead when
-    it does not build (a Triton compile error or a resource limit, raised before anything runs
-    on the device): logged once, and the kernel is not tried again in this process. The kernels'
-    own tests call them directly, so a kernel that does not build still fails its tests."""
+    it does not build (a Triton compile error, ptxas refusing its PTX, or a resource limit: all
+    raised before anything runs on the device): logged once, and the kernel is not tried again
+    in this process. The kernels' own tests call them directly, so a kernel that does not build
+    still fails its tests. (An MLIR pass failure is a plain RuntimeError, like a CUDA error:
+    raised, not hidden.)"""
     if name in _FAILED_KERNELS:
         return fallback()
     from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
+    from triton.runtime.errors import OutOfResources, PTXASError
 
     try:
         return launch()
-    except (CompilationError, OutOfResources) as exc:
+    except (CompilationError, PTXASError, OutOfResources) as exc:
         _FAILED_KERNELS.add(name)
         logging.getLogger(__name__).warning(
             "kernel %s failed to build (%s): the torch ops instead", name, exc

@@ -51,12 +51,30 @@ def make_case(name: str, dtype: torch.dtype) -> torch.Tensor:
         x[1, 3] = float("nan")
         x[1, 400] = float("nan")
         return x
+    if name == "inf_then_nan":
+        # +inf before a NaN, in one piece (row 0) and in two pieces (row 1): the NaN wins, as in
+        # torch; +inf in two pieces and no NaN (row 2): the first +inf
+        x = torch.randn(3, 4100, generator=g).to(dtype)
+        x[0, 10], x[0, 50] = float("inf"), float("nan")
+        x[1, 3000], x[1, 3500] = float("inf"), float("nan")
+        x[2, 2100], x[2, 4000] = float("inf"), float("inf")
+        return x
     if name == "strided":  # every other row of a wider buffer, then the first 700 of its 1000 columns
         return torch.randn(8, 1000, generator=g).to(dtype)[::2, :700]
     raise KeyError(name)
 
 
-CASES = ("random", "small_vocab", "ties", "tie_same_lane", "max_in_tail", "neg_inf", "nan", "strided")
+CASES = (
+    "random",
+    "small_vocab",
+    "ties",
+    "tie_same_lane",
+    "max_in_tail",
+    "neg_inf",
+    "nan",
+    "inf_then_nan",
+    "strided",
+)
 
 
 def _run_interpreter(out: str) -> None:
@@ -87,6 +105,7 @@ def test_expected_answers_of_hand_made_cases():
     assert make_case("neg_inf", torch.float32).argmax(-1).tolist() == [0, 77, 0]
     assert make_case("nan", torch.float32).argmax(-1).tolist() == [500, 3]
     assert make_case("max_in_tail", torch.float32).argmax(-1).tolist() == [4099, 4099]
+    assert make_case("inf_then_nan", torch.float32).argmax(-1).tolist() == [50, 3500, 2100]
 
 
 def test_cpu_default_is_torch_and_bad_shape_is_refused():
@@ -102,7 +121,7 @@ def test_cpu_default_is_torch_and_bad_shape_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 8, 40, 56])
 @pytest.mark.parametrize("vocab", [49152, 128256])
-@pytest.mark.parametrize("dname", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dname", ["bfloat16", "float16", "float32"])
 def test_gpu_matches_torch(rows, vocab, dname):
     from pagedinfer.kernels.argmax import argmax_rows, argmax_rows_kernel
 
@@ -116,6 +135,10 @@ def test_gpu_matches_torch(rows, vocab, dname):
     y = torch.randint(0, 3, (rows, vocab), device="cuda", generator=g).to(DTYPES[dname])
     assert torch.equal(argmax_rows_kernel(y), y.argmax(-1))
     assert torch.equal(argmax_rows(y), y.argmax(-1))  # the engine's entry
+    # NaN and infinities (compiled code, where the interpreter's numpy could hide a difference)
+    z = torch.full((rows, vocab), float("-inf"), device="cuda").to(DTYPES[dname])
+    z[0, vocab // 2], z[0, vocab - 3] = float("inf"), float("nan")
+    assert torch.equal(argmax_rows_kernel(z), z.argmax(-1))
 
 
 if __name__ == "__main__":

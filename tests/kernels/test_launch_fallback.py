@@ -1,5 +1,5 @@
-"""kernels/ops.launch_or_fallback: a kernel that does not build on this GPU (a Triton compile error
-or a resource limit) is replaced by the torch ops, logged once and never tried again; any other
+"""kernels/ops.launch_or_fallback: a kernel that does not build on this GPU (a Triton compile error,
+ptxas refusing its PTX, or a resource limit) is replaced by the torch ops, logged once and never tried again; any other
 error is the caller's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 from triton.compiler.errors import CompilationError  # noqa: E402
-from triton.runtime.errors import OutOfResources  # noqa: E402
+from triton.runtime.errors import OutOfResources, PTXASError  # noqa: E402
 
 from pagedinfer.kernels import ops  # noqa: E402
 
@@ -21,9 +21,10 @@ from pagedinfer.kernels import ops  # noqa: E402
     "error",
     [
         CompilationError("src", ast.parse("x").body[0], "bad cast"),
+        PTXASError("ptxas fatal: Unresolved extern function"),
         OutOfResources(300000, 232448, "shared memory"),
     ],
-    ids=["compile", "resources"],
+    ids=["compile", "ptxas", "resources"],
 )
 def test_a_kernel_that_does_not_build_falls_back_once_and_for_good(monkeypatch, caplog, error):
     monkeypatch.setattr(ops, "_FAILED_KERNELS", set())
