@@ -283,6 +283,7 @@ class EngineCore:
                 spec.may_chain,
                 spec.may_ride_chain,
                 spec.tokens_per_step,
+                spec.tokens_to_stop,
             )
         elif pending.chain is not None or (spec is not None and spec.may_draft(running)):
             return  # (a step decided on the device has no samples a plain lookahead could take)

@@ -41,7 +41,7 @@ from pagedinfer.engine.core.scheduler_output import (
     ScheduledSequence,
     SchedulerOutput,
 )
-from pagedinfer.engine.request import RequestStatus
+from pagedinfer.engine.request import Request, RequestStatus
 from pagedinfer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ def plan_spec_lookahead(
     may_chain: Callable[[list], bool] | None = None,
     may_ride: Callable[[SamplingParams], bool] = is_plain_greedy,
     tokens_per_step: Callable[[int], float] | None = None,
+    tokens_to_stop: Callable[[Request, SamplingRow, int], int | None] | None = None,
 ) -> SchedulerOutput | None:
     """Chained step N+1 for a launched step N (`prev`), or None: up to `max_device_steps` device
     steps of K drafts a sequence, each fed by the one before.
@@ -81,8 +82,9 @@ def plan_spec_lookahead(
 
     `tokens_per_step(seq_id)`: the tokens a device step is expected to emit for a sequence. With
     it, the device steps stop at the expected end of the sequence that runs longest (its
-    max_tokens): a device step past every sequence's end still costs a whole step, and the host
-    learns of the end only after the launch's last step."""
+    max_tokens, or where `tokens_to_stop(seq, row, horizon)` expects a stop token): a device step
+    past every sequence's end still costs a whole step, and the host learns of the end only
+    after the launch's last step (a launch planned behind one that ends the request runs whole)."""
     if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
         return None
     if not scheduler.running or len(prev.sequences) < len(scheduler.running):
@@ -121,18 +123,24 @@ def plan_spec_lookahead(
         if room < 1:
             return None  # no room in the context for a verification: the synchronous step decides
         max_tokens = row.sampling_params.max_tokens
+        left = None  # tokens it may still emit from N's first device step on, as far as known
         if max_tokens is not None:
             left = max_tokens - row.output_position  # before N's device steps
             room = min(room, left - prev.num_device_steps)
             if room < 1:
                 continue  # it reaches max_tokens at N for certain: no row
-            if tokens_per_step is not None:
+        if tokens_per_step is None:
+            needed = max_device_steps
+        else:
+            if tokens_to_stop is not None and max_device_steps > max(needed, 1):  # (else no use)
+                stop = tokens_to_stop(seq, row, (prev.num_device_steps + max_device_steps) * q)
+                if stop is not None:
+                    left = stop if left is None else min(left, stop)
+            if left is None:
+                needed = max_device_steps
+            else:
                 per_step = tokens_per_step(seq.seq_id)
                 needed = max(needed, math.ceil((left - prev.num_device_steps * per_step) / per_step))
-            else:
-                needed = max_device_steps
-        else:
-            needed = max_device_steps
         steps = min(steps, room)
         seqs.append(seq)
         ends.append(end)

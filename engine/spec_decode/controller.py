@@ -95,6 +95,21 @@ class SpeculativeDecoder:
         the device steps it still needs before max_tokens)."""
         return self.policy.tokens_per_step(seq_id, self.config.num_speculative_tokens)
 
+    def tokens_to_stop(self, seq: Request, row: SamplingRow, horizon: int) -> int | None:
+        """Tokens the sequence is expected to emit from `row`'s output position up to and
+        including a stop token (EOS unless ignored, stop_token_ids), as far as its proposer can
+        see (`horizon` tokens past those known; the n-gram proposer's lookup), or None: the
+        planner's other bound, beside max_tokens, on the device steps a chain still needs."""
+        predict = getattr(self.proposer, "tokens_to_stop", None)
+        stops = seq.stop_token_set
+        if predict is None or not stops:
+            return None
+        unknown = row.output_position - seq.num_output_tokens  # (emitted but not yet applied)
+        found = predict(row, stops, horizon)
+        if found is None or row.output_position + found - unknown <= seq.sampling_params.min_tokens:
+            return None  # (none ahead, or before min_tokens lets a stop count)
+        return found - unknown
+
     @property
     def chain_samples(self) -> bool:
         """Whether chained steps may sample (history-free sampling; see `may_ride_chain`): n-gram

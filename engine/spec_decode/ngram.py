@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pagedinfer.engine.core.scheduler_output import SamplingRow
 from pagedinfer.engine.spec_decode.proposer import DraftProposals, DraftRequest
 
 # Tokens before a match compared with those before the suffix, to rank equally long matches.
@@ -314,6 +315,18 @@ class NgramProposer:
             flat, starts, lengths, self.ngram_min, self.ngram_max, max_drafts, self.context_window
         )
         return DraftProposals(token_ids=drafts, probs=None)
+
+    def tokens_to_stop(self, row: SamplingRow, stop_ids: frozenset[int], horizon: int) -> int | None:
+        """Where prompt lookup expects the sequence to stop: the tokens it would emit up to and
+        including the first of `stop_ids` in the lookup's continuation of its tokens so far (the
+        draft rule over `horizon` tokens), or None (none ahead). A copied text runs into what
+        ended its source, e.g. the chat template's end of turn after a quoted text."""
+        if not stop_ids or horizon < 1:
+            return None
+        tokens = self._cache.tokens(DraftRequest(row, 1))
+        ahead = find_ngram_draft(tokens, self.ngram_min, self.ngram_max, horizon, self.context_window)
+        hits = np.flatnonzero(np.isin(ahead, np.fromiter(stop_ids, np.int32, len(stop_ids))))
+        return int(hits[0]) + 1 if hits.size else None
 
     def free(self, seq_id: int) -> None:
         """Forget the sequence's cached tokens."""

@@ -246,3 +246,40 @@ def test_device_steps_stop_at_the_expected_end_of_the_longest_running_sequence()
     assert steps([20, None], {0: 30.0, 1: 4.0}) == 8
     assert steps([20, 40], {0: 30.0, 1: 4.0}) == 8  # 39 left: ceil(35 / 4) = 9, capped at 8
     assert steps([20, 30], {0: 30.0, 1: 4.0}) == 7  # 29 left: ceil(25 / 4) = 7
+
+
+def test_device_steps_stop_where_a_stop_token_is_expected():
+    """`tokens_to_stop` (the proposer's view of where a stop token comes) bounds the device steps
+    like max_tokens does, the nearer of the two; a sequence with none ahead keeps its bound."""
+
+    def steps(max_tokens: list[int | None], stop: dict[int, int | None], per_step: float = 4.0):
+        s = _scheduler()
+        for i, m in enumerate(max_tokens):
+            params = SamplingParams(max_tokens=m, temperature=0.0)
+            s.add_request(Request(i, f"r{i}", 0, [5, 6, 7], params, 0.0, eos_token_ids=(2,)))
+        first = s.schedule()
+        s.update(first, ModelRunnerOutput([SampledTokens(x.seq_id, [7]) for x in first.sequences]))
+        step_n = s.schedule()
+        horizons = []
+
+        def to_stop(seq, row, horizon):
+            assert row.seq_id == seq.seq_id and row.output_position == 1
+            horizons.append(horizon)
+            return stop[seq.seq_id]
+
+        planned = plan_spec_lookahead(
+            s, step_n, K, 8, tokens_per_step=lambda seq_id: per_step, tokens_to_stop=to_stop
+        )
+        assert horizons and all(h == (1 + 8) * (K + 1) for h in horizons)  # N's steps and 8 more
+        return planned.num_device_steps
+
+    # a stop 9 tokens on, N expected to emit 4: ceil(5 / 4) = 2 steps (max_tokens alone: 8)
+    assert steps([None], {0: 9}) == 2
+    assert steps([100], {0: 9}) == 2
+    assert steps([100], {0: None}) == 8
+    assert steps([None], {0: None}) == 8
+    assert steps([20], {0: 60}) == 4  # max_tokens nearer: as before (ceil(15 / 4))
+    assert steps([None], {0: 3}) == 1  # expected within N: one step, not none
+    # the sequence that runs longest decides
+    assert steps([None, None], {0: 3, 1: 17}) == 4  # ceil(13 / 4)
+    assert steps([None, None], {0: 3, 1: None}) == 8
