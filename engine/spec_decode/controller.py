@@ -105,6 +105,7 @@ class SpeculativeDecoder:
         if predict is None or not stops:
             return None
         unknown = row.output_position - seq.num_output_tokens  # (emitted but not yet applied)
+        self._known.add(seq.seq_id)  # (the proposer caches its tokens: freed with the sequence)
         found = predict(row, stops, horizon)
         if found is None or row.output_position + found - unknown <= seq.sampling_params.min_tokens:
             return None  # (none ahead, or before min_tokens lets a stop count)

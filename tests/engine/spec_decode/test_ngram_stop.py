@@ -40,7 +40,8 @@ def test_the_lookup_continuation_reaches_the_stop_token():
 
 
 def test_the_decoder_counts_from_the_step_in_flight_and_respects_min_tokens_and_ignore_eos():
-    spec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), _proposer(), 512)
+    ngram = _proposer()
+    spec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), ngram, 512)
 
     def seq(**params) -> Request:
         sp = SamplingParams(max_tokens=100, temperature=0.0, **params)
@@ -54,3 +55,7 @@ def test_the_decoder_counts_from_the_step_in_flight_and_respects_min_tokens_and_
     # the EOS would be output 7: with min_tokens 7 it cannot stop there (8 may)
     assert spec.tokens_to_stop(seq(min_tokens=7), _row(OUTPUT, min_tokens=7), 16) is None
     assert spec.tokens_to_stop(seq(min_tokens=6), _row(OUTPUT, min_tokens=6), 16) == 4
+    # the tokens the proposer cached for it go when the sequence is gone from the running set
+    assert ngram._cache._arrays
+    spec.propose([])
+    assert not ngram._cache._arrays
