@@ -33,6 +33,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     # min/max run in C: a long prompt costs far less than a Python-level any() over its ids.
     if vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
+    stops = params.stop_token_ids
+    if stops and (min(stops) < 0 or (vocab_size is not None and max(stops) >= vocab_size)):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise InvalidRequestError(f"stop_token_ids must lie in {bound}, got {list(stops)}")
     # The prompt plus its first output token must fit in the whole pool.
     num_blocks_needed = -(-(num + 1) // limits.block_size)
     if num_blocks_needed > limits.num_blocks:

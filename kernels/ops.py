@@ -35,11 +35,12 @@ def launch_or_fallback(name: str, launch, fallback):
     if name in _FAILED_KERNELS:
         return fallback()
     from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources, PTXASError
+    from triton.runtime import errors
 
+    build_errors = (CompilationError, errors.OutOfResources, getattr(errors, "PTXASError", CompilationError))
     try:
         return launch()
-    except (CompilationError, PTXASError, OutOfResources) as exc:
+    except build_errors as exc:
         _FAILED_KERNELS.add(name)
         logging.getLogger(__name__).warning(
             "kernel %s failed to build (%s): the torch ops instead", name, exc

@@ -325,7 +325,8 @@ class NgramProposer:
             return None
         tokens = self._cache.tokens(DraftRequest(row, 1))
         ahead = find_ngram_draft(tokens, self.ngram_min, self.ngram_max, horizon, self.context_window)
-        hits = np.flatnonzero(np.isin(ahead, np.fromiter(stop_ids, np.int32, len(stop_ids))))
+        # (int64: a request's stop ids are not range-checked, and one past int32 must not raise)
+        hits = np.flatnonzero(np.isin(ahead, np.fromiter(stop_ids, np.int64, len(stop_ids))))
         return int(hits[0]) + 1 if hits.size else None
 
     def free(self, seq_id: int) -> None:

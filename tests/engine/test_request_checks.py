@@ -36,6 +36,26 @@ def test_requests_at_the_limits_pass(prompt, n, limits):
     check_request(prompt, SamplingParams(n=n), limits)
 
 
+@pytest.mark.parametrize(
+    ("stops", "message"),
+    [
+        ((5, 100), r"stop_token_ids must lie in \[0, 100\), got \[5, 100\]"),
+        ((-1,), r"stop_token_ids must lie in \[0, 100\)"),
+    ],
+)
+def test_stop_token_ids_out_of_the_vocabulary_are_refused(stops, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        check_request([1], SamplingParams(stop_token_ids=stops), LIMITS)
+    check_request([1], SamplingParams(stop_token_ids=(0, 99)), LIMITS)  # both ends pass
+
+
+def test_stop_token_ids_without_a_vocabulary_need_only_be_non_negative():
+    limits = RequestLimits(64, None, 4, 8, 3)
+    check_request([1], SamplingParams(stop_token_ids=(2**31,)), limits)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must lie in >= 0"):
+        check_request([1], SamplingParams(stop_token_ids=(-3,)), limits)
+
+
 def test_checks_run_in_order():
     # Too long and out of the vocabulary: the context check comes first, as before.
     with pytest.raises(InvalidRequestError, match="context"):

@@ -181,6 +181,13 @@ BAD_REQUESTS = [
     ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must"),
     ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("token id out of vocab", "/v1/completions", {"prompt": [10**9]}, 400, "out of range"),
+    (
+        "stop token id out of vocab",
+        "/v1/completions",
+        {"prompt": "hi", "stop_token_ids": [10**9]},
+        400,
+        "stop_token_ids",
+    ),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "empty"),
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),

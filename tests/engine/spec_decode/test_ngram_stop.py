@@ -33,6 +33,7 @@ def test_the_lookup_continuation_reaches_the_stop_token():
     assert ngram.tokens_to_stop(_row(OUTPUT), frozenset({EOS}), 3) is None  # beyond the horizon
     assert ngram.tokens_to_stop(_row(OUTPUT), frozenset({15, EOS}), 16) == 3  # the first stop id
     assert ngram.tokens_to_stop(_row(OUTPUT), frozenset({99}), 16) is None  # none in the text
+    assert ngram.tokens_to_stop(_row(OUTPUT), frozenset({2**31, -1, EOS}), 16) == 4  # ids past int32
     assert ngram.tokens_to_stop(_row(OUTPUT), frozenset(), 16) is None
     assert ngram.tokens_to_stop(_row([60, 61]), frozenset({EOS}), 16) is None  # nothing matches
     # the cache follows the growing output
