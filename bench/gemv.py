@@ -8,7 +8,12 @@ torch's `F.linear` and a sweep of Triton configs; then the whole step's chain of
 with torch and with the best Triton config per shape. Prints GB/s, the fraction of copy bandwidth
 and the torch / Triton ratio; writes gemv.json (+ gemv.png).
 
-    python bench/gemv.py --out OUTDIR [--rows 1,2,4,8] [--rep-ms 40]
+    python bench/gemv.py --out OUTDIR [--rows 1,2,4,8] [--rep-ms 40] [--model smollm2]
+
+--model smollm2 takes SmolLM2-135M's shapes (hidden 576: every layer is a few launch latencies,
+the regime of the n-gram benchmark's verification at 3-7 rows). Each layer row also times the
+config the engine routes that shape to (`gemv.config_for`, torch where it says None), and the
+chain a third time routed so.
 """
 
 from __future__ import annotations
@@ -27,16 +32,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plotting  # noqa: E402
 from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
 
-from pagedinfer.kernels.gemv import GemvConfig, gemv  # noqa: E402
+from pagedinfer.kernels.gemv import GemvConfig, config_for, gemv  # noqa: E402
 
-HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
-SHAPES = {  # name: (N, K, copies in the chain)
-    "qkv": (6144, HIDDEN, LAYERS),
-    "o": (HIDDEN, HIDDEN, LAYERS),
-    "gate_up": (2 * INTER, HIDDEN, LAYERS),
-    "down": (HIDDEN, INTER, LAYERS),
-    "lm_head": (VOCAB, HIDDEN, 1),
+# name: (hidden, intermediate, vocabulary, layers, qkv rows)
+MODELS = {
+    "llama3-8b": (4096, 14336, 128256, 32, 6144),
+    "smollm2": (576, 1536, 49152, 30, 960),  # 9 query heads, 3 KV heads of 64
 }
+
+
+def model_shapes(model: str) -> tuple[int, int, int, dict[str, tuple[int, int, int]]]:
+    """hidden, intermediate, layers and {name: (N, K, copies in the chain)} of a model."""
+    hidden, inter, vocab, layers, qkv = MODELS[model]
+    shapes = {
+        "qkv": (qkv, hidden, layers),
+        "o": (hidden, hidden, layers),
+        "gate_up": (2 * inter, hidden, layers),
+        "down": (hidden, inter, layers),
+        "lm_head": (vocab, hidden, 1),
+    }
+    return hidden, inter, layers, shapes
+
+
+_, _, LAYERS, SHAPES = model_shapes("llama3-8b")  # (bench/gemm_batch.py's shapes)
+
 CONFIGS = [
     GemvConfig("reduce", 8, 512, 4, 4),
     GemvConfig("reduce", 16, 512, 4, 4),
@@ -54,6 +73,10 @@ CONFIGS = [
     GemvConfig("dot", 16, 256, 4, 4),
     GemvConfig("dot", 32, 128, 4, 6),
     GemvConfig("dot", 64, 64, 4, 6),
+    # K of a few hundred (SmolLM2's 576): one or two tiles a program instead of 5 at BLOCK_K 128
+    GemvConfig("dot", 16, 512, 4, 2),
+    GemvConfig("dot", 32, 512, 4, 2),
+    GemvConfig("dot", 16, 1024, 4, 1),
 ]
 
 
@@ -73,7 +96,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--rep-ms", type=int, default=40)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     args = ap.parse_args()
+    hidden, inter, layers, shapes = model_shapes(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
@@ -81,13 +106,14 @@ def main() -> None:
     copy_gbps = measure_copy_bandwidth(args.rep_ms)
     print(f"copy bandwidth {copy_gbps:,.0f} GB/s ({torch.cuda.get_device_name()})")
     weights = {}
-    for shape, (n, k, copies) in SHAPES.items():
+    for shape, (n, k, copies) in shapes.items():
         weights[shape] = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     results: dict = {
         "benchmark": "gemv",
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "dtype": args.dtype,
+        "model": args.model,
         "copy_gbps": copy_gbps,
         "layers": [],
         "chain": [],
@@ -99,7 +125,7 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    for shape, (n, k, _copies) in SHAPES.items():
+    for shape, (n, k, _copies) in shapes.items():
         layer_bytes = n * k * weights[shape][0].element_size()
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -121,6 +147,15 @@ def main() -> None:
                 row["configs"][name_of(config)] = {"us": ms * 1e3, "rel_err": err}
                 if err < 1e-2 and ms < best.get((shape, m), (float("inf"), None))[0]:
                     best[(shape, m)] = (ms, config)
+            routed = config_for(m, n, k)  # what the engine runs (None: torch's GEMM)
+            row["routed"] = "torch" if routed is None else name_of(routed)
+            row["routed_us"] = (
+                torch_ms * 1e3
+                if routed is None
+                else row["configs"].get(name_of(routed), {}).get("us")
+                or time_layer(lambda a, w, c=routed: gemv(a, w, None, c), weights[shape], x, args.rep_ms)
+                * 1e3
+            )
             ms, config = best[(shape, m)]
             row["best"] = name_of(config)
             row["best_us"] = ms * 1e3
@@ -130,15 +165,16 @@ def main() -> None:
             say(
                 f"{shape:8s} M={m:2d} {n}x{k}: torch {torch_ms * 1e3:7.1f} us ({row['torch_frac_copy']:.2f} of copy)"
                 f"  best {row['best']} {ms * 1e3:7.1f} us ({row['best_frac_copy']:.2f})  torch/best {row['torch_over_best']:.2f}x"
+                f"  routed {row['routed']} {row['routed_us']:7.1f} us"
             )
     # The whole step's chain of linear layers, in layer order, one graph each way.
     for m in rows:
-        x_h = torch.randn(m, HIDDEN, device="cuda", dtype=dtype)
-        x_i = torch.randn(m, INTER, device="cuda", dtype=dtype)
-        total_bytes = sum(n * k * c * 2 for n, k, c in SHAPES.values())
+        x_h = torch.randn(m, hidden, device="cuda", dtype=dtype)
+        x_i = torch.randn(m, inter, device="cuda", dtype=dtype)
+        total_bytes = sum(n * k * c * 2 for n, k, c in shapes.values())
 
         def chain(linear, x_h=x_h, x_i=x_i):
-            for layer in range(LAYERS):
+            for layer in range(layers):
                 for shape in ("qkv", "o", "gate_up"):
                     linear(shape, x_h, weights[shape][layer])
                 linear("down", x_i, weights["down"][layer])
@@ -150,8 +186,12 @@ def main() -> None:
         def with_best(shape, a, w, m=m):
             return gemv(a, w, None, best[(shape, m)][1])
 
+        def routed(shape, a, w):
+            config = config_for(a.shape[0], w.shape[0], w.shape[1])
+            return F.linear(a, w) if config is None else gemv(a, w, None, config)
+
         t = {}
-        for label, fn in (("torch", with_torch), ("triton", with_best)):
+        for label, fn in (("torch", with_torch), ("triton", with_best), ("routed", routed)):
             t[label] = _bench_graph([lambda fn=fn: chain(fn)], args.rep_ms)
         floor_ms = total_bytes / (copy_gbps * 1e9) * 1e3
         entry = {
@@ -163,12 +203,14 @@ def main() -> None:
             "torch_over_floor": t["torch"] / floor_ms,
             "triton_over_floor": t["triton"] / floor_ms,
             "torch_over_triton": t["torch"] / t["triton"],
+            "routed_ms": t["routed"],
+            "routed_over_floor": t["routed"] / floor_ms,
         }
         results["chain"].append(entry)
         say(
             f"chain M={m}: {total_bytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms | torch {t['torch']:.3f} ms "
             f"({entry['torch_over_floor']:.2f}x floor) | triton {t['triton']:.3f} ms ({entry['triton_over_floor']:.2f}x) "
-            f"| torch/triton {entry['torch_over_triton']:.3f}x"
+            f"| torch/triton {entry['torch_over_triton']:.3f}x | routed {t['routed']:.3f} ms"
         )
     results["best_configs"] = {f"{s}/{m}": name_of(c) for (s, m), (_, c) in best.items()}
     results["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -154,6 +154,9 @@ probe spec_pair_kernels_off env PAGEDINFER_ARGMAX_KERNEL=0 PAGEDINFER_GEMV_MAX_R
 probe profile_spec_b8 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads pair --batch 8 --k 4 --tag _b8k4
 # where the host thread waits for the GPU outside collect(): torch's sync debug mode over greedy and
 # seeded-sampled requests, plain and n-gram (SmolLM2; ~30 s)
+# SmolLM2's linear layers at 1 row (decode) and 3 / 5 / 7 rows (n-gram verification at K 2 / 4 / 6):
+# the configs the engine routes them to against the sweep's best and torch (~1 min)
+probe gemv_smollm2 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2" --model smollm2 --rows 1,3,5,7 --rep-ms 25
 probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \
