@@ -144,7 +144,7 @@ def measure(
     for _ in range(5):
         core.step()
     timer = _Timer(clock)
-    for name in ("launch", "collect"):
+    for name in ("launch_forward", "launch_sampling", "collect"):
         timer.wrap(core.runner, name)
     for name in ("schedule", "update"):
         timer.wrap(core.scheduler, name)
@@ -156,7 +156,7 @@ def measure(
         core.step()
         total = clock() - t0
         m = timer.marks
-        overlap = m["collect.start"] - m["launch.end"]
+        overlap = m["collect.start"] - m["launch_sampling.end"]
         rows.append(
             {
                 "step": total,
@@ -164,7 +164,11 @@ def measure(
                 "model": model.seconds,
                 "critical": total - overlap - model.seconds,
                 "schedule": m["schedule.end"] - m["schedule.start"],
-                "launch": m["launch.end"] - m["launch.start"] - model.seconds,
+                "launch": m["launch_forward.end"]
+                - m["launch_forward.start"]
+                + m["launch_sampling.end"]
+                - m["launch_sampling.start"]
+                - model.seconds,
                 "collect": m["collect.end"] - m["collect.start"],
                 "update": m["update.end"] - m["update.start"],
             }

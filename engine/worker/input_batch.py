@@ -69,6 +69,9 @@ class InputBatch:
             {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
             for _ in range(num_staging_sets)
         ]
+        # Their numpy views, made once: `.numpy()` is four dispatcher calls a buffer, and a step
+        # (a chained draft launch: two) switches sets every time it stages.
+        self._staging_np = [{name: t.numpy() for name, t in host.items()} for host in self._staging]
         # After each set's copies: a set is reused only once they ran (a proposer that stages
         # several steps without waiting for the device could otherwise overwrite queued data).
         self._copied: list[torch.cuda.Event | None] = [None] * num_staging_sets
@@ -89,7 +92,7 @@ class InputBatch:
         copied = self._copied[self._staging_index]
         if copied is not None:
             copied.synchronize()
-        host = self._staging[self._staging_index]
+        host, arrays = self._staging[self._staging_index], self._staging_np[self._staging_index]
         self.ids_host, self.pos_host, self.slots_host = host["ids"], host["pos"], host["slots"]
         self.bt_host, self.lens_host, self.qsl_host, self.li_host = (
             host["bt"],
@@ -97,17 +100,13 @@ class InputBatch:
             host["qsl"],
             host["li"],
         )
-        self.ids_np, self.pos_np, self.slots_np = (
-            self.ids_host.numpy(),
-            self.pos_host.numpy(),
-            self.slots_host.numpy(),
+        self.ids_np, self.pos_np, self.slots_np = arrays["ids"], arrays["pos"], arrays["slots"]
+        self.bt_np, self.lens_np, self.qsl_np, self.li_np = (
+            arrays["bt"],
+            arrays["lens"],
+            arrays["qsl"],
+            arrays["li"],
         )
-        self.bt_np, self.lens_np, self.qsl_np = (
-            self.bt_host.numpy(),
-            self.lens_host.numpy(),
-            self.qsl_host.numpy(),
-        )
-        self.li_np = self.li_host.numpy()
 
     def prepare(self, sched: SchedulerOutput, logits_rows: np.ndarray, graph=None) -> StepInputs:
         """Fill buffers for the step; `graph` (a cuda_graphs.GraphKey) pads to a captured shape."""
