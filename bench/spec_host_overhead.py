@@ -114,7 +114,8 @@ MODES = {
 class _DeviceStandIns:
     """On the CPU a chained step's device work (accept + propose, the input feed) runs as torch ops
     on the host; on a GPU each is one kernel launch. Their time is counted here and taken out of the
-    host time, like the stub model's."""
+    host time, like the stub model's: out of the phase each call ran in (`within`), the outermost
+    call only where one stand-in calls another (the rejection sampler runs the sampler's)."""
 
     def __init__(self, clock) -> None:
         from pagedinfer.engine.sample.rejection_sampler import RejectionSampler
@@ -123,6 +124,8 @@ class _DeviceStandIns:
         from pagedinfer.kernels import ngram_reference
 
         self.seconds = 0.0
+        self.intervals: list[tuple[float, float]] = []  # (start, end) of each outermost call
+        self._depth = 0
         self._patched = []
         # Sampling (--temperature) is device work too: the sampler's and the rejection sampler's
         # tensor ops (a greedy step's one argmax stays in the host time, as before).
@@ -139,13 +142,23 @@ class _DeviceStandIns:
 
     def _timed(self, fn, clock):
         def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += clock() - t0
+                t1 = clock()
+                self._depth -= 1
+                self.seconds += t1 - t0
+                self.intervals.append((t0, t1))
 
         return timed
+
+    def within(self, start: float, end: float) -> float:
+        """Stand-in seconds inside [start, end] (a phase of the step)."""
+        return sum(t1 - t0 for t0, t1 in self.intervals if start <= t0 and t1 <= end)
 
     def restore(self) -> None:
         for module, name, fn in self._patched:
@@ -278,6 +291,7 @@ def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed, tempera
     for _ in range(num_steps):
         before = sum(r.num_output_tokens for r in core.scheduler.running)
         model.seconds = stand_ins.seconds = 0.0
+        stand_ins.intervals.clear()
         timer.marks.clear()
         chained = core.num_chained_steps
         t0 = clock()
@@ -286,17 +300,19 @@ def _measure(core, model, stand_ins, batch, num_steps, prompt_len, seed, tempera
         num_chained += core.num_chained_steps - chained
         num_launches += core.num_chained_steps > chained  # (one chained launch a step at most)
         num_emitted += sum(r.num_output_tokens for r in core.scheduler.running) - before
-        launch = (
-            timer.span("launch_forward") + timer.span("launch_sampling") - model.seconds - stand_ins.seconds
-        )
+
+        def host(phase: str) -> float:  # the phase's time, its device stand-ins taken out
+            start, end = timer.marks.get(phase + ".start", 0.0), timer.marks.get(phase + ".end", 0.0)
+            return end - start - stand_ins.within(start, end)
+
         rows.append(
             {
                 "step": total - model.seconds,
-                "schedule": timer.span("schedule"),
-                "launch": launch,
-                "collect": timer.span("collect"),
-                "update": timer.span("update"),
-                "after_step": timer.span("after_step"),
+                "schedule": host("schedule"),
+                "launch": host("launch_forward") + host("launch_sampling") - model.seconds,
+                "collect": host("collect"),
+                "update": host("update"),
+                "after_step": host("after_step"),
             }
         )
     assert len(core.scheduler.running) == batch, "the batch must stay whole while measuring"
