@@ -390,7 +390,10 @@ def run_cpu(args) -> dict:
         scheduler=SchedulerConfig(max_model_len=512, max_num_seqs=16), device=DeviceConfig(device="cpu")
     )
     llm = LLM(config)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    # Exactly output_len tokens each, with EOS banned until then: transformers' min_new_tokens.
+    # (ignore_eos would let the argmax pick EOS and go on, where transformers takes the next best:
+    # 4 of 16 outputs differed at an EOS for that reason alone, bench/NOTES.md.)
+    params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, temperature=0.0)
     prompt_ids = [llm.tokenizer.encode(p) for p in CPU_PROMPTS]
     llm.generate(
         prompt_token_ids=prompt_ids[:2], sampling_params=SamplingParams(max_tokens=2, temperature=0.0)
