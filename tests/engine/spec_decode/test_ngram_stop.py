@@ -53,7 +53,7 @@ def test_the_decoder_counts_from_the_step_in_flight_and_respects_min_tokens_and_
     assert spec.tokens_to_stop(seq(), _row(OUTPUT, position=5), 16) == 2
     assert spec.tokens_to_stop(seq(ignore_eos=True), _row(OUTPUT, ignore_eos=True), 16) is None
     assert spec.tokens_to_stop(seq(stop_token_ids=[14]), _row(OUTPUT), 16) == 2
-    # the EOS would be output 7: with min_tokens 7 it cannot stop there (8 may)
+    # the EOS would be the 7th output: min_tokens 7 keeps it from stopping there, 6 does not
     assert spec.tokens_to_stop(seq(min_tokens=7), _row(OUTPUT, min_tokens=7), 16) is None
     assert spec.tokens_to_stop(seq(min_tokens=6), _row(OUTPUT, min_tokens=6), 16) == 4
     # the tokens the proposer cached for it go when the sequence is gone from the running set
