@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from editing_tasks import tasks  # noqa: E402  (bench/ is not a package)
 
 from pagedinfer.engine.config import (
     CacheConfig,
@@ -31,10 +35,6 @@ from pagedinfer.engine.config import (
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.sampling_params import SamplingParams
 
-TEXT = (
-    "The town council met on Monday evening to discuss the new budget for the coming year. Most of "
-    "the money will go to the schools, the roads and the public library."
-)
 CASES = {  # name: (temperature, seed, use_speculation)
     "greedy_plain": (0.0, None, False),
     "sampled_plain": (0.7, 11, False),
@@ -138,7 +138,7 @@ def main() -> None:
     )
     results_host = host_costs_while_busy()
     llm = LLM(config)
-    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": f"Repeat this text: {TEXT}"}])
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": tasks(1)[0]}])  # the n-gram bench's
     prompts = [prompt] * args.batch
     results = {"device": torch.cuda.get_device_name(), "batch": args.batch, "max_tokens": args.max_tokens}
     results["host_ms_while_busy"] = results_host
