@@ -94,6 +94,12 @@ def baseline(core, prompts: list[list[int]], params: SamplingParams):
     return base, steps[len(steps) // 2], core.num_lookahead_steps - ahead
 
 
+def gpu_idle_fraction(run) -> float | None:
+    """The device's idle time between steps over its idle + busy time (None off CUDA)."""
+    total = run.gpu_idle_s + run.gpu_busy_s
+    return round(run.gpu_idle_s / total, 4) if total > 0 else None
+
+
 def alpha_since(before, stats, k: int) -> float:
     """Acceptance alpha solved from the mean tokens emitted per verifying sequence-step between
     two snapshots of the decoder's stats."""
@@ -177,6 +183,10 @@ def measure(
         "spec_ms_per_token": round(fast_ms, 3),
         "base_decode_step_ms": round(base_step_ms, 3),
         "base_steps_planned_ahead": base_ahead,  # async scheduling in the plain run
+        # the device's idle share between steps (CUDA): a plain run near 0 is device-bound; one
+        # well above is host-bound, and a chain that runs steps without the host gains on it
+        "base_gpu_idle_fraction": gpu_idle_fraction(base),
+        "spec_gpu_idle_fraction": gpu_idle_fraction(fast),
         "chained_steps": chained,  # device steps planned ahead that verified drafts made on the device
         # Where a speculative step's time goes (host phases of EngineCore.step; the draft model
         # and the n-gram proposer run in `update`, the target's verification in `collect`).

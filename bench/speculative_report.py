@@ -157,11 +157,19 @@ def refilled_row(base, fast, alpha: float, theory: float) -> dict:
     }
 
 
+def idle_pair(row: dict) -> str:
+    """'plain/spec' device idle fractions of a row ('-' off CUDA or in older results)."""
+    base, spec = row.get("base_gpu_idle_fraction"), row.get("spec_gpu_idle_fraction")
+    if base is None or spec is None:
+        return "-"
+    return f"{base:.2f}/{spec:.2f}"
+
+
 def summary(results: dict) -> str:
     lines = [f"speculative decoding on {results['machine']['device']} (greedy)"]
     lines.append(
         f"{'workload':9} {'B':>2} {'K':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>15} {'alpha':>6} "
-        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'req.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same"
+        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'req.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same idle"
     )
     for name, workload in results["workloads"].items():
         if "skipped" in workload:
@@ -176,7 +184,8 @@ def summary(results: dict) -> str:
                 f"{r.get('full_batch_over_theoretical')!s:>6} "
                 f"{r.get('refilled_speedup', '-')!s:>6} {r.get('refilled_over_theoretical', '-')!s:>6} "
                 f"{r.get('full_batch_steps', '-')!s:>3}/{r.get('all_steps', '-')!s:<3} "
-                f"{r.get('paused_sequence_steps', '-')!s:>6} {r['identical_outputs']}"
+                f"{r.get('paused_sequence_steps', '-')!s:>6} {r['identical_outputs']!s:5} "
+                f"{idle_pair(r)}"
             )
         if "construction" in workload:
             lines.append(f"  {name}: {workload['construction']}")
