@@ -34,7 +34,11 @@ def _build_errors() -> tuple[type[BaseException], ...]:
         from triton.compiler.errors import CompilationError
         from triton.runtime import errors
 
-        _BUILD_ERRORS = (CompilationError, errors.OutOfResources, getattr(errors, "PTXASError", CompilationError))
+        _BUILD_ERRORS = (
+            CompilationError,
+            errors.OutOfResources,
+            getattr(errors, "PTXASError", CompilationError),
+        )
     return _BUILD_ERRORS
 
 
