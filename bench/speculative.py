@@ -184,7 +184,9 @@ def measure(
         "base_decode_step_ms": round(base_step_ms, 3),
         "base_steps_planned_ahead": base_ahead,  # async scheduling in the plain run
         # the device's idle share between steps (CUDA): a plain run near 0 is device-bound; one
-        # well above is host-bound, and a chain that runs steps without the host gains on it
+        # well above is host-bound, and a chain that runs steps without the host gains on it.
+        # A lower bound: a gap inside a step (the host late between the forward's launch and the
+        # sampling's) counts as busy, as the runner's events bracket the whole step.
         "base_gpu_idle_fraction": gpu_idle_fraction(base),
         "spec_gpu_idle_fraction": gpu_idle_fraction(fast),
         "chained_steps": chained,  # device steps planned ahead that verified drafts made on the device
