@@ -325,9 +325,12 @@ class NgramProposer:
             return None
         tokens = self._cache.tokens(DraftRequest(row, 1))
         ahead = find_ngram_draft(tokens, self.ngram_min, self.ngram_max, horizon, self.context_window)
-        # (int64: a request's stop ids are not range-checked, and one past int32 must not raise)
-        hits = np.flatnonzero(np.isin(ahead, np.fromiter(stop_ids, np.int64, len(stop_ids))))
-        return int(hits[0]) + 1 if hits.size else None
+        # A set lookup per token (Python ints: any stop id compares, whatever its size): over a
+        # horizon of tens of tokens 0.8 us, where np.isin took 8.6 us of a ~20 us call (CPU).
+        for i, token in enumerate(ahead.tolist()):
+            if token in stop_ids:
+                return i + 1
+        return None
 
     def free(self, seq_id: int) -> None:
         """Forget the sequence's cached tokens."""
