@@ -161,6 +161,9 @@ probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin:/
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \
   --model "${SPEC_MODEL:-builtin://smollm2-135m}" --tag _ngram_b1k4
+# the same at batch 8 (8 x 5-row verification groups)
+probe profile_spec_ngram_b8 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 8 --k 4 \
+  --model "${SPEC_MODEL:-builtin://smollm2-135m}" --tag _ngram_b8k4
 # serving overhead: gRPC + OpenAI SSE clients (own processes) vs the in-process engine (random
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,

@@ -24,8 +24,11 @@ from pagedinfer.kernels.ngram_layout import (
 )
 from pagedinfer.kernels.ngram_reference import AcceptProposeOutput
 
-BLOCK = 2048  # candidate ends per tile (8 KiB of int32 tokens per n-gram offset)
-NUM_WARPS = 8  # 74 registers, no spills at BLOCK 2048 (ptxas, sm_90a); not timed on a GPU yet
+# Candidate ends per tile, and warps. In a CUDA graph on an H100 (B 1, K 4, n-gram 1-4, a 420- or
+# 1,500-token history; bench/NOTES.md, session 20): 1024 x 16 warps takes 3.5-4.3 us without the
+# tie ranking and 13-23 us with it; the former 2048 x 8, 4.0-4.2 and 27 us.
+BLOCK = 1024
+NUM_WARPS = 16
 
 
 @triton.jit
@@ -129,29 +132,44 @@ def _accept_propose_kernel(
     if SEARCH:
         lanes = tl.arange(0, BLOCK)
         best = tl.full([BLOCK], -1, tl.int64)
+        # per lane: the longest match among its ends so far, and how many ends have that length
+        lane_len = tl.zeros([BLOCK], tl.int32)
+        lane_count = tl.zeros([BLOCK], tl.int32)
         for start in range(0, last, BLOCK):
             ends = start + lanes
             match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
-            key = tl.where(match_len >= ngram_min, match_len.to(tl.int64) * hist_cap + ends, -1)
+            is_match = match_len >= ngram_min
+            key = tl.where(is_match, match_len.to(tl.int64) * hist_cap + ends, -1)
             best = tl.maximum(best, key)
-        best_key = tl.max(best, axis=0)
-        if CTX > 0:  # rank equally long matches by their context, as the host proposer does
-            best_key = _rank_ties(
-                hist_row,
-                emit_row,
-                old_len,
-                new_len,
-                emit_max,
-                last,
-                best_key,
-                hist_cap,
-                ngram_min,
-                window,
-                max_ties,
-                NGRAM_MAX,
-                BLOCK,
-                CTX,
+            found = tl.where(is_match, match_len, 0)
+            lane_count = tl.where(
+                found > lane_len, 1, tl.where(found == lane_len, lane_count + 1, lane_count)
             )
+            lane_len = tl.maximum(lane_len, found)
+        best_key = tl.max(best, axis=0)
+        best_len = tl.max(lane_len, axis=0)
+        num_longest = tl.sum(tl.where((lane_len == best_len) & (best_len > 0), lane_count, 0), axis=0)
+        # Rank equally long matches by their context, as the host proposer does. A unique longest
+        # match (the usual case when copying text) is its own ranking: the second pass over the
+        # tiles, most of this kernel's time, is skipped.
+        if CTX > 0:
+            if num_longest > 1:
+                best_key = _rank_ties(
+                    hist_row,
+                    emit_row,
+                    old_len,
+                    new_len,
+                    emit_max,
+                    last,
+                    best_key,
+                    hist_cap,
+                    ngram_min,
+                    window,
+                    max_ties,
+                    NGRAM_MAX,
+                    BLOCK,
+                    CTX,
+                )
 
     # Next drafts: what followed the match, periodic with period n - 1 - j; no match: the last
     # emitted token repeated.

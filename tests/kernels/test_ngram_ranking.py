@@ -23,6 +23,9 @@ K = 3
 # occurrence follows eight 9s (then 11, 1, 2): ranked by context the older one wins.
 TIE_CASE = ([[1, 2, 3, 4, 5, 6, 7, 12, 10, *[9] * 8, 12, 11, 1, 2, 3, 4, 5, 6, 7]], [12])
 TIE_RANKED, TIE_LATEST = [10, 9, 9], [11, 1, 2]
+# The same with six 9s: the two 12s end at 7 and 15, one lane of two tiles of 8 candidate ends
+# (the kernel counts equally long matches per lane across tiles, and ranks only if there are two).
+SAME_LANE_CASE = ([[1, 2, 3, 4, 5, 6, 7, 12, 10, *[9] * 6, 12, 11, 1, 2, 3, 4, 5, 6, 7]], [12])
 
 
 def case(trial: int, num_seqs: int = 3, cap: int = 72):
@@ -94,6 +97,8 @@ def main(path: str) -> None:
     for ties in (MAX_RANKED_TIES, 1):
         args = (*tensors(*TIE_CASE, 64), 1, 1, K, CONTEXT_WINDOW, ties)
         results[f"tie{ties}"] = drafts_of(ngram_propose.accept_and_propose(*args, block=8))
+    args = (*tensors(*SAME_LANE_CASE, 64), 1, 1, K, CONTEXT_WINDOW, MAX_RANKED_TIES)
+    results["same_lane"] = drafts_of(ngram_propose.accept_and_propose(*args, block=8))
     for trial in range(150):
         hists, extra, lo, hi, cap = case(trial, num_seqs=2, cap=40)
         args = (*tensors(hists, extra, cap), lo, hi, K, CONTEXT_WINDOW, MAX_RANKED_TIES)
@@ -106,6 +111,8 @@ def test_triton_ranking_is_the_host_rule(tmp_path):
     out = tmp_path / "results.json"
     got = run_interpreted("tests.kernels.test_ngram_ranking", out)
     assert got[f"tie{MAX_RANKED_TIES}"] == [TIE_RANKED] and got["tie1"] == [TIE_LATEST]
+    assert host_rule(*SAME_LANE_CASE, 1, 1, CONTEXT_WINDOW) == [TIE_RANKED]
+    assert got["same_lane"] == [TIE_RANKED]
     for trial in range(150):
         hists, extra, lo, hi, _ = case(trial, num_seqs=2, cap=40)
         want = host_rule(hists, extra, lo, hi, CONTEXT_WINDOW)
