@@ -152,7 +152,7 @@ def _accept_propose_kernel(
         # Rank equally long matches by their context, as the host proposer does. A unique longest
         # match (the usual case when copying text) is its own ranking: the second pass over the
         # tiles, most of this kernel's time, is skipped.
-        if CTX > 0:
+        if CTX > 0:  # noqa: SIM102 (a constexpr test, then a runtime one: two ifs for Triton)
             if num_longest > 1:
                 best_key = _rank_ties(
                     hist_row,
