@@ -2,7 +2,8 @@
 
 Side by side in one run, per (model heads, batch, q, context): the short-chunk kernel
 (kernels/short_extend_attention.py, what the extend dispatch picks for these shapes: q <= 16 at
-groups 3 and 4; each row records the pick), the tiled
+groups 3 and 4; each row records the pick), the same with its split partials merged by a second
+kernel (its only merge before the in-kernel one for grids of >= 16 programs), the tiled
 extend kernel the engine used before for the same chunks (its default tiles for the table), the
 decode kernel at one token a sequence (what a plain decode step's attention costs: the speculative
 formula charges a verification as one plain step), and the floor: the KV bytes read over the
@@ -32,6 +33,7 @@ from attention import ROTATE_BYTES, _bench_graph, measure_copy_bandwidth  # noqa
 from pagedinfer.kernels import extend_attention as ea  # noqa: E402
 from pagedinfer.kernels import ops  # noqa: E402
 from pagedinfer.kernels import short_extend_attention as sea  # noqa: E402
+from pagedinfer.kernels.decode_merge import SplitMerge, pdl_supported  # noqa: E402
 
 # (heads, batch, q tokens a sequence, context, table width in tokens)
 SHAPES = [
@@ -55,11 +57,16 @@ def _variants(x: dict) -> dict:
     tiled = ea.default_config(
         x["heads"].head_dim, x["block_tables"].shape[1] * cases.BLOCK_SIZE, x["query"].device
     )
+    # the split partials merged by a second kernel (PDL), as before 2026-12-05 on every grid
+    separate = SplitMerge.PDL if pdl_supported(x["query"].device) else SplitMerge.KERNEL
     dec = (x["decode_query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
     # the short kernel named, not through the dispatch: PAGEDINFER_SHORT_EXTEND=0 or a changed
     # MAX_ROWS would otherwise time the tiled kernel under this name (the row records the dispatch)
     return {
         "short": lambda: sea.paged_short_extend_attention(*args, x["scale"], max_query_len=x["new"]),
+        "short_merge_kernel": lambda: sea.paged_short_extend_attention(
+            *args, x["scale"], max_query_len=x["new"], merge=separate
+        ),
         "tiled": lambda: ea.paged_extend_attention(*args, x["scale"], max_query_len=x["new"], config=tiled),
         "decode_1tok": lambda: ops.paged_decode_attention(*dec),
     }
@@ -81,7 +88,7 @@ def bench_shape(heads, batch: int, q: int, context: int, width: int, copy_gbps: 
     }
     row["floor_ms"] = kv_bytes / copy_gbps / 1e6
     ref = _variants(sets[0])["tiled"]()
-    for name in ("short", "tiled", "decode_1tok"):
+    for name in ("short", "short_merge_kernel", "tiled", "decode_1tok"):
         fns = [_variants(x)[name] for x in sets]
         out = fns[0]()
         err = (
@@ -91,6 +98,7 @@ def bench_shape(heads, batch: int, q: int, context: int, width: int, copy_gbps: 
     del sets
     torch.cuda.empty_cache()
     row["short_vs_tiled"] = row["tiled"]["ms"] / row["short"]["ms"]
+    row["short_vs_merge_kernel"] = row["short"]["ms"] / row["short_merge_kernel"]["ms"]
     row["short_vs_decode"] = row["short"]["ms"] / row["decode_1tok"]["ms"]
     row["short_vs_floor"] = row["short"]["ms"] / row["floor_ms"]
     return row
@@ -99,13 +107,14 @@ def bench_shape(heads, batch: int, q: int, context: int, width: int, copy_gbps: 
 def summarize(result: dict) -> str:
     lines = [
         f"verification attention, {result['device']}, copy {result['copy_gbps']:.0f} GB/s; us per call",
-        "| model | B x q @ ctx | short | tiled (before) | speedup | decode 1 tok | short / decode | floor | short / floor |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | B x q @ ctx | short | short, merge kernel | ratio | tiled (before) | speedup | decode 1 tok "
+        "| short / decode | floor | short / floor |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['batch']}x{r['q']} @ {r['context']} | {r['short']['ms'] * 1e3:.1f} | "
-            f"{r['tiled']['ms'] * 1e3:.1f} | {r['short_vs_tiled']:.2f}x | {r['decode_1tok']['ms'] * 1e3:.1f} | "
+            f"{r['short_merge_kernel']['ms'] * 1e3:.1f} | {r['short_vs_merge_kernel']:.2f} | {r['tiled']['ms'] * 1e3:.1f} | {r['short_vs_tiled']:.2f}x | {r['decode_1tok']['ms'] * 1e3:.1f} | "
             f"{r['short_vs_decode']:.2f} | {r['floor_ms'] * 1e3:.1f} | {r['short_vs_floor']:.2f} |"
         )
     return "\n".join(lines)

@@ -287,10 +287,15 @@ def default_merge(num_programs: int, device: torch.device) -> SplitMerge:
 
 
 def _choose_merge(config: DecodeConfig, num_splits: int, num_programs: int, device: torch.device):
-    """The merge this call runs, or None without splits; PDL falls back to KERNEL where unsupported."""
+    return choose_merge(config.merge, num_splits, num_programs, device)
+
+
+def choose_merge(merge: SplitMerge | None, num_splits: int, num_programs: int, device: torch.device):
+    """The merge a split kernel's call runs (decode, short extend): `merge`, or default_merge's
+    for the grid when None; None without splits; PDL falls back to KERNEL where unsupported."""
     if num_splits == 1:
         return None
-    merge = config.merge or default_merge(num_programs, device)
+    merge = merge or default_merge(num_programs, device)
     if merge is SplitMerge.PDL and not pdl_supported(device):
         return SplitMerge.KERNEL
     return merge

@@ -108,40 +108,66 @@ def merge_group(
     SPLIT_CHUNK: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
-    """The fused merge: all GROUP query heads of one KV head, SPLIT_CHUNK splits per load."""
+    """The decode kernel's fused merge: all GROUP query heads of one KV head."""
     g = tl.arange(0, GROUP_P2)
+    heads = kv_head * GROUP + g
+    rows = seq.to(tl.int64) * num_heads + heads  # [GROUP_P2]
+    o_rows = out_ptr + seq.to(tl.int64) * stride_os + heads * stride_oh
+    merge_rows(
+        part_out_ptr,
+        part_lse_ptr,
+        rows,
+        g < GROUP,
+        o_rows,
+        head_dim,
+        num_splits,
+        SPLITS_PAD,
+        SPLIT_CHUNK,
+        D_PAD,
+    )
+
+
+@triton.jit
+def merge_rows(
+    part_out_ptr,  # fp32 [rows, num_splits, D_PAD]
+    part_lse_ptr,  # fp32 [rows, num_splits]
+    rows,  # [R] int64: the partial rows to merge
+    row_ok,  # [R] bool: rows that exist
+    o_rows,  # [R] pointers: where each merged row goes
+    head_dim,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """A fused merge (the split program that arrived last): R rows, SPLIT_CHUNK splits per load."""
     d = tl.arange(0, D_PAD)
-    g_mask = g < GROUP
-    rows = seq.to(tl.int64) * num_heads + kv_head * GROUP + g  # [GROUP_P2]
     p = tl.arange(0, SPLITS_PAD)
-    lse_mask = g_mask[:, None] & (p < num_splits)[None, :]
+    lse_mask = row_ok[:, None] & (p < num_splits)[None, :]
     lse_ptrs = part_lse_ptr + rows[:, None] * num_splits + p[None, :]
-    lse = tl.load(
-        lse_ptrs, mask=lse_mask, other=float("-inf"), cache_modifier=".cg"
-    )  # [GROUP_P2, SPLITS_PAD]
+    lse = tl.load(lse_ptrs, mask=lse_mask, other=float("-inf"), cache_modifier=".cg")  # [R, SPLITS_PAD]
     lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # [GROUP_P2]
-    denom = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)  # [GROUP_P2]
-    acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # [R]
+    denom = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)  # [R]
+    acc = tl.zeros([rows.shape[0], D_PAD], tl.float32)
     c = tl.arange(0, SPLIT_CHUNK)
     for p0 in range(0, num_splits, SPLIT_CHUNK):
         pc = p0 + c  # [SPLIT_CHUNK]
-        mask = g_mask[:, None] & (pc < num_splits)[None, :]  # [GROUP_P2, SPLIT_CHUNK]
-        rows_c = rows[:, None] * num_splits + pc[None, :]  # [GROUP_P2, SPLIT_CHUNK]
+        mask = row_ok[:, None] & (pc < num_splits)[None, :]  # [R, SPLIT_CHUNK]
+        rows_c = rows[:, None] * num_splits + pc[None, :]  # [R, SPLIT_CHUNK]
         lse_c = tl.load(part_lse_ptr + rows_c, mask=mask, other=float("-inf"), cache_modifier=".cg")
         w = tl.exp2(lse_c - lse_max[:, None])  # 0 for empty splits
         parts_ptrs = part_out_ptr + rows_c[:, :, None] * D_PAD + d[None, None, :]
-        parts = tl.load(parts_ptrs, mask=mask[:, :, None], other=0.0, cache_modifier=".cg")  # [G, C, D_PAD]
+        parts = tl.load(parts_ptrs, mask=mask[:, :, None], other=0.0, cache_modifier=".cg")  # [R, C, D_PAD]
         acc += tl.sum(parts * w[:, :, None], 1)
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    heads = kv_head * GROUP + g
-    o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (d < head_dim)[None, :])
+    o_ptrs = o_rows[:, None] + d[None, :]
+    tl.store(o_ptrs, out.to(o_rows.dtype.element_ty), mask=row_ok[:, None] & (d < head_dim)[None, :])
 
 
-def fused_split_chunk(group_p2: int, d_pad: int, splits_pad: int) -> int:
-    """Splits per fused-merge load: the [group, chunk, head_dim] tile stays <= FUSED_TILE_ELEMENTS."""
-    return max(2, min(splits_pad, triton.next_power_of_2(max(1, FUSED_TILE_ELEMENTS // (group_p2 * d_pad)))))
+def fused_split_chunk(num_rows: int, d_pad: int, splits_pad: int) -> int:
+    """Splits per fused-merge load: the [rows, chunk, head_dim] tile stays <= FUSED_TILE_ELEMENTS."""
+    return max(2, min(splits_pad, triton.next_power_of_2(max(1, FUSED_TILE_ELEMENTS // (num_rows * d_pad)))))
 
 
 @triton.jit

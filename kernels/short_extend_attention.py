@@ -9,8 +9,9 @@ Here a program takes every new token of one sequence times the GROUP query heads
 (row r = token * GROUP_P2 + head in group, so a K/V tile is loaded once for all of them) and one
 split of the context, as the decode kernel does; row r sees the keys up to its own position
 (seq_len - q_len + token). With several splits each writes a normalized partial and its base-2
-log-sum-exp per (token, head) row, and decode_merge.reduce_splits merges them (a second kernel,
-launched as a programmatic dependent where the GPU supports it).
+log-sum-exp per (token, head) row, merged as the decode kernel's are (decode_attention.
+default_merge for the same grid): by a second kernel, launched as a programmatic dependent on
+small grids (batch 1), or in the kernel by the split that arrives last (batch 8 and up).
 """
 
 from __future__ import annotations
@@ -23,13 +24,21 @@ import triton
 import triton.language as tl
 
 from pagedinfer.kernels.decode_attention import (
+    FUSED_COUNTERS,
     LOG2E,
     MAX_SPLITS,
+    choose_merge,
     default_num_splits,
     load_kv_tile,
     tile_block_ids,
 )
-from pagedinfer.kernels.decode_merge import gdc_launch_dependents, pdl_supported, reduce_splits
+from pagedinfer.kernels.decode_merge import (
+    SplitMerge,
+    fused_split_chunk,
+    gdc_launch_dependents,
+    merge_rows,
+    reduce_splits,
+)
 from pagedinfer.kernels.launch_args import paged_attention_strides
 
 # Rows of one program (query tokens x group heads, padded to powers of two) up to which the short
@@ -85,12 +94,13 @@ def _short_extend_kernel(
     out_ptr,  # [T, H, D] (written when not IS_SPLIT)
     part_out_ptr,  # fp32 [T, H, num_splits, D_PAD] (written when IS_SPLIT)
     part_lse_ptr,  # fp32 [T, H, num_splits]
+    counter_ptr,  # int32 [>= S * KVH], zero on entry and on exit (MERGE_FUSED only)
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bts, stride_ot, stride_oh, head_dim, num_heads, num_splits,
-    IS_SPLIT: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr,
+    IS_SPLIT: tl.constexpr, MERGE_FUSED: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge may be scheduled now; it waits for our results
@@ -148,6 +158,17 @@ def _short_extend_kernel(
         tl.store(part_out_ptr + row[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
+        if MERGE_FUSED:  # as the decode kernel's: the last split of (seq, KV head) merges its rows
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                o_rows = out_ptr + tokens * stride_ot + heads * stride_oh
+                merge_rows(
+                    part_out_ptr, part_lse_ptr, tokens * num_heads + heads, row_ok, o_rows, head_dim,
+                    num_splits, SPLITS_PAD, SPLIT_CHUNK, D_PAD,
+                )  # fmt: skip
+                tl.store(counter, 0)  # zero again for the next call (and the next graph replay)
 
 
 def paged_short_extend_attention(
@@ -161,10 +182,12 @@ def paged_short_extend_attention(
     max_query_len: int,
     num_splits: int | None = None,
     config: ShortExtendConfig | None = None,
+    merge: SplitMerge | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] -> out [T, H, D], every sequence bringing <= max_query_len new tokens
     (ops.paged_extend_attention checks it for CPU tensors only: on CUDA the rows past it are never
-    computed). num_splits None: from the grid, as for decode."""
+    computed). num_splits None: from the grid, as for decode; merge None: decode's rule for the
+    same grid (decode_attention.default_merge)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -176,12 +199,12 @@ def paged_short_extend_attention(
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    # A verification graph of B sequences carries up to B pad sequences (input_batch._pad), so
+    # size the grid from the sequences the tokens can fill (B * q tokens / q), not the rows:
+    # counting the pads halves the splits at batch 8 (3 instead of 9).
+    busy_seqs = min(num_seqs, triton.cdiv(num_tokens, max(1, max_query_len)))
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
-        # A verification graph of B sequences carries up to B pad sequences (input_batch._pad), so
-        # size the grid from the sequences the tokens can fill (B * q tokens / q), not the rows:
-        # counting the pads halves the splits at batch 8 (3 instead of 9).
-        busy_seqs = min(num_seqs, triton.cdiv(num_tokens, max(1, max_query_len)))
         num_splits = default_num_splits(busy_seqs, num_kv_heads, max_context, query.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -192,7 +215,15 @@ def paged_short_extend_attention(
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel without splits
-    use_pdl = num_splits > 1 and pdl_supported(query.device)
+    merge = choose_merge(merge, num_splits, busy_seqs * num_kv_heads, query.device)
+    counters = (
+        FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
+    )
+    if merge is SplitMerge.FUSED and counters is None:
+        merge = SplitMerge.KERNEL
+    use_pdl = merge is SplitMerge.PDL
+    # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK (fixed otherwise: no recompiles).
+    splits_pad = max(2, triton.next_power_of_2(num_splits)) if merge is SplitMerge.FUSED else 2
     _short_extend_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -203,12 +234,14 @@ def paged_short_extend_attention(
         out,
         part_out,
         part_lse,
+        out if counters is None else counters,
         scale * LOG2E,
         *paged_attention_strides(query, key_cache, value_cache, block_tables, out),
         head_dim,
         num_heads,
         num_splits,
         IS_SPLIT=num_splits > 1,
+        MERGE_FUSED=merge is SplitMerge.FUSED,
         LAUNCH_DEPENDENTS=use_pdl,
         GROUP=group,
         GROUP_P2=triton.next_power_of_2(group),
@@ -216,9 +249,11 @@ def paged_short_extend_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         D_PAD=d_pad,
+        SPLITS_PAD=splits_pad,
+        SPLIT_CHUNK=fused_split_chunk(rows, d_pad, splits_pad),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if num_splits > 1:
+    if merge in (SplitMerge.KERNEL, SplitMerge.PDL):
         reduce_splits(part_out, part_lse, out, use_pdl=use_pdl)
     return out

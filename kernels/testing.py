@@ -40,7 +40,8 @@ class AttentionCase:
     block_size: int = 16
     num_splits: int | None = None
     shared_blocks: int = 0  # leading blocks every sequence shares (a common prefix)
-    merge: str | None = None  # decode, Triton: "kernel" / "pdl" / "fused" (DecodeConfig.merge); None: default
+    # decode and the short extend kernel, Triton: "kernel" / "pdl" / "fused" (SplitMerge); None: default
+    merge: str | None = None
     repeat_splits: tuple[int, ...] = ()  # decode: call again with each split count (fused counters reset)
     max_context_len: int | None = None  # decode, Triton: the host-side bound on the contexts
     extend_path: str | None = None  # extend, Triton: "tiled" / "short" forces a kernel; None: dispatch
@@ -132,8 +133,10 @@ def _forced_extend(case: AttentionCase, device: torch.device):
     """The extend kernel case.extend_path names, bypassing the dispatch on the query length."""
     if case.extend_path == "short":
         from pagedinfer.kernels import short_extend_attention as sea
+        from pagedinfer.kernels.decode_merge import SplitMerge
 
-        return sea.paged_short_extend_attention, {"num_splits": case.num_splits}
+        merge = None if case.merge is None else SplitMerge(case.merge)
+        return sea.paged_short_extend_attention, {"num_splits": case.num_splits, "merge": merge}
     from pagedinfer.kernels import extend_attention as ea
 
     block_table_tokens = 1 << 20  # any capacity: the tiles only
@@ -254,6 +257,12 @@ INTERPRETER_CASES = (
     _C("extend_short_smollm_prefill", "extend", (16, 17, 33, 7), q_lens=(7, 7, 1, 7), num_heads=9, num_kv_heads=3,
        num_splits=1, extend_path="short"),
     _C("extend_short_pad_rows", "extend", (1, 20, 9), q_lens=(0, 4, 2), num_splits=4, extend_path="short"),
+    # the split that arrives last merges in the kernel: pad rows, empty splits, SmolLM2's group 3,
+    # calls back to back at other split counts (a counter left non-zero breaks those)
+    _C("extend_short_fused", "extend", (37, 70, 5, 130, 1), q_lens=(5, 5, 5, 1, 0), num_heads=9, num_kv_heads=3,
+       num_splits=3, shared_blocks=1, merge="fused", repeat_splits=(1, 5), extend_path="short"),
+    _C("extend_short_fused_d128", "extend", (50, 64), q_lens=(8, 6), num_heads=8, num_kv_heads=2, head_dim=128,
+       num_splits=4, merge="fused", extend_path="short"),
     _C("extend_short_mha_d80_bs8", "extend", (30, 9), q_lens=(3, 2), num_heads=4, num_kv_heads=4, head_dim=80,
        block_size=8, extend_path="short"),
     _C("extend_short_group8_d128", "extend", (50, 64), q_lens=(8, 6), num_heads=16, num_kv_heads=2, head_dim=128,

@@ -30,6 +30,17 @@ def test_merge_choice_on_the_cpu():
     assert da.default_merge(8, CPU) is SplitMerge.KERNEL  # the interpreter keeps the plain kernel
 
 
+def test_merge_choice_by_grid_on_cuda():
+    """decode_attention.choose_merge, which the short extend kernel uses too: a separate merge
+    kernel on small grids (PDL on Hopper; this CPU machine reports no PDL, so KERNEL), the merge in
+    the split kernel from 16 (sequence, KV head) programs: a SmolLM2 verification at batch 8 (8 x 3)."""
+    cuda = torch.device("cuda")  # a device object only: the choice itself touches no GPU
+    assert da.default_merge(3, cuda) is SplitMerge.PDL and da.default_merge(24, cuda) is SplitMerge.FUSED
+    assert da.choose_merge(None, 22, 24, cuda) is SplitMerge.FUSED
+    assert da.choose_merge(None, 1, 24, cuda) is None
+    assert da.choose_merge(SplitMerge.KERNEL, 22, 24, cuda) is SplitMerge.KERNEL  # a caller's choice stands
+
+
 @pytest.mark.parametrize("group_p2,d_pad,expect", [(4, 128, 16), (16, 128, 4), (1, 256, 32), (64, 256, 2)])
 def test_fused_tile_stays_within_budget(group_p2, d_pad, expect):
     chunk = fused_split_chunk(group_p2, d_pad, 128)

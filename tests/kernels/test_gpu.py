@@ -55,6 +55,11 @@ GPU_CASES = (
     _C("extend_llama_verify_q16_splits", "extend", (3000, 16, 700), q_lens=(16, 16, 9), num_splits=64,
        extend_path="short", **LLAMA),
     _C("extend_smollm_verify", "extend", (2048, 5, 7, 999, 1), q_lens=(7, 5, 7, 2, 0), **SMOLLM),
+    # the merge in the kernel (the dispatch's choice from 16 programs: batch 8 x 8 KV heads above)
+    _C("extend_smollm_verify_b8_fused", "extend", (2048, 5, 7, 999, 1, 300, 64, 4000), q_lens=(5, 5, 5, 2, 0, 5, 5, 5),
+       merge="fused", repeat_splits=(22, 3), extend_path="short", **SMOLLM),
+    _C("extend_llama_verify_fused_splits", "extend", (3000, 16, 700), q_lens=(16, 16, 9), num_splits=64,
+       merge="fused", repeat_splits=(5,), extend_path="short", **LLAMA),
     _C("extend_llama_verify_tiled", "extend", (600, 2049, 31), q_lens=(5, 3, 5), extend_path="tiled", **LLAMA),
     # 64 rows (16 tokens x group 4) at head_dim 256; a graph's bound (q = 8) above every chunk with
     # pad sequences in one shared 64-token block (q_len == seq_len, q_len 0)
