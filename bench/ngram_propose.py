@@ -1,14 +1,21 @@
 """Time of one n-gram accept + propose call (kernels/ngram_ops.accept_and_propose) per backend.
 
-Histories of random tokens from a small vocabulary (many candidate matches: the Triton kernel's
-worst case; the torch version's work does not depend on the tokens), filled to 90% of L, K = 8
-drafts per sequence of which a random prefix is accepted. On the CPU: the torch version
-(wall clock, median of --reps calls). On CUDA: both backends (CUDA events around --reps calls,
-after a warm-up; each call gets a fresh copy of the history so lengths stay put).
+Two kinds of histories:
+- `random`: tokens from a small vocabulary (many candidate matches: the kernel's worst case for
+  the search; the torch version's work does not depend on the tokens), filled to 90% of L, K = 8
+  drafts per sequence of which a random prefix is accepted;
+- `copy`: the engine's batch-1 case: word ids of bench/editing_tasks.py's texts, each text twice
+  (so the longest match has a tie to rank), 420 or 1,500 tokens, K = 4, n-gram 1-4.
+Each with the tie ranking off (context 0) and on (the engine's CONTEXT_WINDOW).
+
+On the CPU: the torch version (wall clock, median of --reps calls). On CUDA: the Triton kernel in
+a CUDA graph of 20 calls, each after a reset of the history lengths, less a graph of the resets
+alone (device time; an eager launch's host cost would hide it).
 
     python bench/ngram_propose.py --device cpu --out bench/results [--reps 20] [--threads N]
 
-Writes ngram_propose_<device>.json: one row per (backend, B, L) with the median microseconds.
+Writes ngram_propose_<device>.json: one row per (history, B, L, context) with the median
+microseconds.
 """
 
 from __future__ import annotations
@@ -16,18 +23,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pagedinfer.kernels import ngram_ops
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.editing_tasks import TEXTS  # noqa: E402
+from pagedinfer.engine.spec_decode.ngram import CONTEXT_WINDOW  # noqa: E402
+from pagedinfer.kernels import ngram_ops  # noqa: E402
 
-SHAPES = [(1, 2048), (8, 2048), (64, 2048), (64, 8192), (256, 8192), (256, 32768)]
+RANDOM_SHAPES = [(1, 2048), (8, 2048), (64, 2048), (64, 8192), (256, 8192), (256, 32768)]
+COPY_SHAPES = [(1, 420), (1, 1500), (8, 420)]
 MAX_DRAFTS, NGRAM_MIN, NGRAM_MAX, NUM_NEXT, VOCAB = 8, 1, 8, 8, 64
+COPY_K, COPY_NGRAM_MAX, COPY_CAP = 4, 4, 2048 + 4 + 1
+GRAPH_CALLS = 20
 
 
-def make_args(num_seqs: int, hist_cap: int, device: str) -> tuple:
+def random_args(num_seqs: int, hist_cap: int, device: str) -> tuple:
     gen = torch.Generator().manual_seed(num_seqs * hist_cap)
     num_drafts = torch.full((num_seqs,), MAX_DRAFTS)
     first_rows = torch.arange(num_seqs) * (MAX_DRAFTS + 1)
@@ -40,28 +54,72 @@ def make_args(num_seqs: int, hist_cap: int, device: str) -> tuple:
     return tuple(t.to(device) for t in (argmax, first_rows, drafts, num_drafts, history, history_len))
 
 
-def time_us(args: tuple, backend: str, reps: int) -> float:
-    """Median microseconds of one call; each call on its own copy of history and history_len."""
-    copies = [(args[4].clone(), args[5].clone()) for _ in range(reps + 1)]
-    is_cuda = args[0].is_cuda
+def copy_history(length: int, offset: int) -> list[int]:
+    """Word ids of the editing texts, each text twice, from text `offset` on."""
+    vocab: dict[str, int] = {}
+    words = []
+    for i in range(len(TEXTS)):
+        text = TEXTS[(offset + i) % len(TEXTS)]
+        words += ("Rewrite this text: " + text + " " + text).split()
+    ids = [vocab.setdefault(w, len(vocab)) for w in words]
+    return (ids * (1 + length // len(ids)))[:length]
 
-    def call(i: int) -> None:
-        ngram_ops.accept_and_propose(*args[:4], *copies[i], NGRAM_MIN, NGRAM_MAX, NUM_NEXT, backend=backend)
 
-    call(reps)  # warm-up (Triton compiles here)
-    times = []
-    for i in range(reps):
-        if is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call(i)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
+def copy_args(num_seqs: int, length: int, device: str) -> tuple:
+    """Each sequence's last K + 1 tokens as its argmax rows; the first two drafts accepted."""
+    hists = [copy_history(length, b) for b in range(num_seqs)]
+    history = torch.zeros((num_seqs, COPY_CAP), dtype=torch.int32)
+    for b, h in enumerate(hists):
+        history[b, :length] = torch.tensor(h, dtype=torch.int32)
+    history_len = torch.full((num_seqs,), length, dtype=torch.int32)
+    argmax = torch.tensor([t for h in hists for t in h[length - COPY_K - 1 :]], dtype=torch.int64)
+    drafts = argmax.view(num_seqs, COPY_K + 1)[:, :COPY_K].clone()
+    drafts[:, 2:] += 1
+    first_rows = torch.arange(num_seqs) * (COPY_K + 1)
+    num_drafts = torch.full((num_seqs,), COPY_K)
+    return tuple(t.to(device) for t in (argmax, first_rows, drafts, num_drafts, history, history_len))
+
+
+def time_us(args: tuple, ngram_max: int, num_next: int, context: int, reps: int) -> float:
+    """Median microseconds of one call (see the module docstring for the method per device)."""
+    lens0 = args[5].clone()
+    lens = args[5]
+
+    def call() -> None:
+        lens.copy_(lens0)
+        ngram_ops.accept_and_propose(*args, NGRAM_MIN, ngram_max, num_next, context_window=context)
+
+    if not args[0].is_cuda:
+        call()  # warm-up
+        times = []
+        for _ in range(reps):
             t0 = time.perf_counter()
-            call(i)
+            call()
             times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+    return _graph_us(call, reps) - _graph_us(lambda: lens.copy_(lens0), reps)
+
+
+def _graph_us(fn, reps: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (Triton compiles here), off the capture
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
     return statistics.median(times)
 
 
@@ -74,21 +132,31 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    backends = ["triton", "reference"] if args.device.startswith("cuda") else ["reference"]
+    backend = "triton" if args.device.startswith("cuda") else "reference"
+    cases = [("random", b, n, random_args(b, n, args.device), NGRAM_MAX, NUM_NEXT) for b, n in RANDOM_SHAPES]
+    cases += [("copy", b, n, copy_args(b, n, args.device), COPY_NGRAM_MAX, COPY_K) for b, n in COPY_SHAPES]
     rows = []
-    for num_seqs, hist_cap in SHAPES:
-        call_args = make_args(num_seqs, hist_cap, args.device)
-        for backend in backends:
-            us = time_us(call_args, backend, args.reps)
-            rows.append(
-                {"backend": backend, "num_seqs": num_seqs, "hist_cap": hist_cap, "median_us": round(us, 1)}
+    for kind, num_seqs, length, call_args, ngram_max, num_next in cases:
+        for context in (0, CONTEXT_WINDOW):
+            us = time_us(call_args, ngram_max, num_next, context, args.reps)
+            row = {
+                "backend": backend,
+                "history": kind,
+                "num_seqs": num_seqs,
+                "length": length,
+                "context": context,
+            }
+            rows.append({**row, "median_us": round(us, 2)})
+            print(
+                f"{backend:9s} {kind:6s} B {num_seqs:3d} L {length:5d} context {context}: {us:10.2f} us",
+                flush=True,
             )
-            print(f"{backend:9s} B {num_seqs:3d} L {hist_cap:5d}: {us:10.1f} us", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device).type
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
+        "timing": "CUDA graph of 20 calls less the resets alone" if device == "cuda" else "wall clock",
     }
     (args.out / f"ngram_propose_{device}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

@@ -99,6 +99,8 @@ step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/
 step bench_gemv "$PY" bench/gemv.py --out "$OUTDIR" --rows 1,4 --rep-ms 25
 # greedy token ids: torch.argmax vs kernels/argmax.py over 1-56 rows of a vocabulary (< 20 s)
 step bench_argmax "$PY" bench/argmax.py --out "$OUTDIR"
+# the n-gram accept + propose kernel in a CUDA graph, tie ranking off / on (~20 s)
+step bench_ngram_propose "$PY" bench/ngram_propose.py --device cuda --out "$OUTDIR"
 # the one-row RMSNorm folded into the next GEMV vs a norm kernel + the GEMV (pairs and the 32-layer chain)
 step bench_norm_gemv "$PY" bench/norm_gemv.py --out "$OUTDIR" --rep-ms 25
 # one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
