@@ -151,6 +151,8 @@ def main() -> int:
                 f"{backend:9s} {kind:6s} B {num_seqs:3d} L {length:5d} context {context}: {us:10.2f} us",
                 flush=True,
             )
+        ranked, plain = rows[-1]["median_us"], rows[-2]["median_us"]
+        print(f"  tie ranking on / off: {ranked / max(plain, 1e-9):.2f}x", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device).type
     meta = {
