@@ -10,8 +10,8 @@ Here a program takes every new token of one sequence times the GROUP query heads
 split of the context, as the decode kernel does; row r sees the keys up to its own position
 (seq_len - q_len + token). With several splits each writes a normalized partial and its base-2
 log-sum-exp per (token, head) row, merged as the decode kernel's are (decode_attention.
-default_merge for the same grid): by a second kernel, launched as a programmatic dependent on
-small grids (batch 1), or in the kernel by the split that arrives last (batch 8 and up).
+default_merge for the same grid, up to FUSED_MAX_SPLITS splits): by a second kernel, launched as a
+programmatic dependent on small grids (batch 1), or in the kernel by the split that arrives last.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ MAX_ROWS = 64
 # GQA groups (MHA: group 1) prefill chunks of up to 64 tokens would fit the rows too, and those
 # are the tiled kernel's to take (not measured here).
 MAX_TOKENS = 16
+# The merge in the kernel (decode's rule from 16 programs) up to this many splits; above, the
+# separate merge kernel. The last split's program merges all its rows (tokens x group) over every
+# split alone: H100, bench/verify_attention.py 2026-12-05 16:08 UTC, per call: Llama-3-8B batch 8
+# x 5 tokens (5 splits) 22.2 vs 25.2 us at 512 tokens of context, 51.5 vs 53.7 at 2048; SmolLM2
+# batch 8 x 5 (22 splits) 15.2 vs 11.3 us.
+FUSED_MAX_SPLITS = 8
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
 
@@ -187,7 +193,7 @@ def paged_short_extend_attention(
     """query [T, H, D] -> out [T, H, D], every sequence bringing <= max_query_len new tokens
     (ops.paged_extend_attention checks it for CPU tensors only: on CUDA the rows past it are never
     computed). num_splits None: from the grid, as for decode; merge None: decode's rule for the
-    same grid (decode_attention.default_merge)."""
+    same grid (decode_attention.default_merge), the separate merge above FUSED_MAX_SPLITS splits."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -215,7 +221,7 @@ def paged_short_extend_attention(
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel without splits
-    merge = choose_merge(merge, num_splits, busy_seqs * num_kv_heads, query.device)
+    merge = merge_for(merge, num_splits, busy_seqs * num_kv_heads, query.device)
     counters = (
         FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
     )
@@ -257,3 +263,11 @@ def paged_short_extend_attention(
     if merge in (SplitMerge.KERNEL, SplitMerge.PDL):
         reduce_splits(part_out, part_lse, out, use_pdl=use_pdl)
     return out
+
+
+def merge_for(merge: SplitMerge | None, num_splits: int, num_programs: int, device: torch.device):
+    """The merge a call runs (None without splits): `merge`, else decode's rule for the grid up to
+    FUSED_MAX_SPLITS splits and the separate merge above (PDL; KERNEL where unsupported)."""
+    if merge is None and num_splits > FUSED_MAX_SPLITS:
+        merge = SplitMerge.PDL
+    return choose_merge(merge, num_splits, num_programs, device)

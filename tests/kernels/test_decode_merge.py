@@ -77,3 +77,18 @@ def test_bounded_config_choice():
         assert da.bounded_config(128, cuda, 8, bound) == short
     for args in ((128, cuda, 16, 8192), (64, cuda, 3, 8192), (128, torch.device("cpu"), 8, 8192)):
         assert da.bounded_config(*args) is None
+
+
+def test_short_extend_merges_in_kernel_only_over_few_splits():
+    """The short extend kernel's merge: in the kernel from 16 programs up to FUSED_MAX_SPLITS
+    splits (an 8B batch-8 verification: 64 programs, 5 splits), the separate merge above it (a
+    SmolLM2 batch-8 one: 24 programs, 22 splits; PDL, or KERNEL on a machine without it)."""
+    from pagedinfer.kernels import short_extend_attention as sea
+
+    cuda = torch.device("cuda")
+    assert sea.merge_for(None, 5, 64, cuda) is SplitMerge.FUSED
+    assert sea.merge_for(None, sea.FUSED_MAX_SPLITS, 24, cuda) is SplitMerge.FUSED
+    separate = SplitMerge.PDL if pdl_supported(cuda) else SplitMerge.KERNEL
+    assert sea.merge_for(None, 22, 24, cuda) is separate
+    assert sea.merge_for(SplitMerge.FUSED, 22, 24, cuda) is SplitMerge.FUSED  # a caller's choice stands
+    assert sea.merge_for(None, 1, 64, cuda) is None
