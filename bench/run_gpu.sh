@@ -94,6 +94,8 @@ step test_kernels_gpu "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m gp
 step bench_attention "$PY" bench/attention.py --out "$OUTDIR" ${ATTENTION_BENCH_ARGS:-}
 # speculative verification's attention: the short-chunk kernel vs the tiled extend kernel vs decode
 step bench_verify_attention "$PY" bench/verify_attention.py --out "$OUTDIR"
+# the short kernel per split count and tile at the speculative benchmark's shapes (~1 min)
+probe verify_attention_splits "$PY" bench/verify_attention.py --out "$OUTDIR" --split-sweep
 step test_engine_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/models
 # small-batch linear layers: torch's GEMM vs kernels/gemv.py per 8B layer shape and the step's chain
 step bench_gemv "$PY" bench/gemv.py --out "$OUTDIR" --rows 1,4 --rep-ms 25

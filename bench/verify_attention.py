@@ -139,10 +139,68 @@ def plot(result: dict, path: Path) -> None:
     plotting.save(fig, path, dpi=120)
 
 
+# --split-sweep: the short kernel at the speculative benchmark's shapes (q 5, block tables 1,024
+# tokens wide: bench/speculative.py's max_model_len), per split count and tile, against its
+# default pick and the one-token decode
+SWEEP_SHAPES = [(h, b, c) for h in (cases.SMOLLM2, cases.LLAMA) for b in (1, 8) for c in (420, 1024)]
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP_TILES = ((64, 4), (32, 4), (32, 2))  # (block_n, num_warps)
+
+
+def _short_fn(x: dict, **kw):
+    args = cases.extend_args(x)
+    return lambda: sea.paged_short_extend_attention(*args, x["scale"], max_query_len=x["new"], **kw)
+
+
+def _decode_fn(x: dict):
+    dec = (x["decode_query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
+    return lambda: ops.paged_decode_attention(*dec)
+
+
+def _sweep_row(heads, batch: int, context: int, sets: list[dict], rep_ms: int) -> dict:
+    def timed(make) -> float:
+        return _bench_graph([make(x) for x in sets], rep_ms) * 1e3
+
+    row = {"model": heads.name, "batch": batch, "context": context, "width": 1024}
+    row["default_us"] = timed(_short_fn)
+    row["decode_1tok_us"] = timed(_decode_fn)
+    row["variants"] = []
+    for splits in SWEEP_SPLITS:
+        for block_n, warps in SWEEP_TILES:
+            config = sea.ShortExtendConfig(block_n, warps)
+            us = timed(lambda x, s=splits, c=config: _short_fn(x, num_splits=s, config=c))
+            row["variants"].append({"splits": splits, "block_n": block_n, "num_warps": warps, "us": us})
+    row["best"] = min(row["variants"], key=lambda v: v["us"])
+    return row
+
+
+def split_sweep(rep_ms: int) -> list[dict]:
+    rows = []
+    for heads, batch, context in SWEEP_SHAPES:
+        table_bytes = cases.decode_kv_bytes(batch, 1024, heads)
+        num_sets = max(1, min(32, -(-ROTATE_BYTES // table_bytes)))
+        sets = [verify_inputs(heads, batch, 5, context, 1024) for _ in range(num_sets)]
+        row = _sweep_row(heads, batch, context, sets, rep_ms)
+        best = row["best"]
+        print(
+            f"{heads.name} {batch}x5 @ {context}: default {row['default_us']:.2f} us, best {best['us']:.2f} "
+            f"(splits {best['splits']}, {best['block_n']} x {best['num_warps']} warps), ratio "
+            f"{row['default_us'] / best['us']:.2f}; decode 1 tok {row['decode_1tok_us']:.2f}",
+            flush=True,
+        )
+        rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--split-sweep", action="store_true", help="only the split / tile sweep (see SWEEP_SHAPES)"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/verify_attention.py needs a CUDA GPU; nothing measured")
@@ -151,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     rep_ms = 20 if args.quick else 50
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.split_sweep:
+        sweep = {"device": torch.cuda.get_device_name(), "rows": split_sweep(20)}
+        (out / "verify_attention_split_sweep.json").write_text(json.dumps(sweep, indent=1))
+        return 0
     result = {
         "device": torch.cuda.get_device_name(),
         "copy_gbps": measure_copy_bandwidth(rep_ms),
