@@ -13,6 +13,7 @@ a CUDA graph of 20 calls, each after a reset of the history lengths, less a grap
 alone (device time; an eager launch's host cost would hide it).
 
     python bench/ngram_propose.py --device cpu --out bench/results [--reps 20] [--threads N]
+    python bench/ngram_propose.py --tile-sweep --out OUT   (CUDA: the kernel per tile and warps)
 
 Writes ngram_propose_<device>.json: one row per (history, B, L, context) with the median
 microseconds.
@@ -80,14 +81,23 @@ def copy_args(num_seqs: int, length: int, device: str) -> tuple:
     return tuple(t.to(device) for t in (argmax, first_rows, drafts, num_drafts, history, history_len))
 
 
-def time_us(args: tuple, ngram_max: int, num_next: int, context: int, reps: int) -> float:
-    """Median microseconds of one call (see the module docstring for the method per device)."""
+def time_us(args: tuple, ngram_max: int, num_next: int, context: int, reps: int, tile=None) -> float:
+    """Median microseconds of one call (see the module docstring for the method per device);
+    tile (block, num_warps): the Triton kernel with that tile (CUDA)."""
     lens0 = args[5].clone()
     lens = args[5]
 
     def call() -> None:
         lens.copy_(lens0)
-        ngram_ops.accept_and_propose(*args, NGRAM_MIN, ngram_max, num_next, context_window=context)
+        if tile is None:
+            ngram_ops.accept_and_propose(*args, NGRAM_MIN, ngram_max, num_next, context_window=context)
+        else:
+            from pagedinfer.kernels import ngram_propose
+
+            block, warps = tile
+            ngram_propose.accept_and_propose(
+                *args, NGRAM_MIN, ngram_max, num_next, context, block=block, num_warps=warps
+            )
 
     if not args[0].is_cuda:
         call()  # warm-up
@@ -123,13 +133,44 @@ def _graph_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+TILES = [(2048, 8), (2048, 16), (1024, 16), (1024, 8), (512, 16), (512, 8)]  # (block, num_warps)
+
+
+def tile_sweep(out: Path, reps: int) -> None:
+    """The Triton kernel per tile at batch 1 on copy and random histories, ranking off / on."""
+    from pagedinfer.kernels import ngram_propose
+
+    cases = [("copy", n, copy_args(1, n, "cuda"), COPY_NGRAM_MAX, COPY_K) for n in (420, 1500)]
+    cases += [("random", n, random_args(1, n, "cuda"), NGRAM_MAX, NUM_NEXT) for n in (512, 2048)]
+    rows = []
+    for kind, length, call_args, ngram_max, num_next in cases:
+        for context in (0, CONTEXT_WINDOW):
+            for tile in TILES:
+                us = time_us(call_args, ngram_max, num_next, context, reps, tile)
+                rows.append(
+                    {"history": kind, "length": length, "context": context, "block": tile[0],
+                     "num_warps": tile[1], "median_us": round(us, 2)}
+                )  # fmt: skip
+                print(f"{kind:6s} L {length:5d} context {context} tile {tile}: {us:8.2f} us", flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "engine_tile": [ngram_propose.BLOCK, ngram_propose.NUM_WARPS],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ngram_propose_tiles_cuda.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--tile-sweep", action="store_true", help="CUDA: the kernel per (block, warps) instead")
     args = ap.parse_args()
+    if args.tile_sweep:
+        tile_sweep(args.out, args.reps)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     backend = "triton" if args.device.startswith("cuda") else "reference"

@@ -271,6 +271,7 @@ def accept_and_propose(
     max_ties: int = 32,
     block: int = BLOCK,
     search: bool = True,
+    num_warps: int = NUM_WARPS,
 ) -> AcceptProposeOutput:
     """Shapes and dtypes as ngram_reference.accept_and_propose (checked by ngram_ops); `block`
     (a power of two) sets the candidate ends per tile. Views of one packed output."""
@@ -290,6 +291,7 @@ def accept_and_propose(
         context_window=context_window,
         max_ties=max_ties,
         search=search,
+        num_warps=num_warps,
     )
     return unpack(packed, max_drafts)
 
@@ -321,6 +323,7 @@ def launch_packed(
     context_window: int = 0,
     max_ties: int = 32,
     search: bool = True,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """The kernel with every output in one [B, PACKED_FIXED + K + 1 + num_next] int64 tensor
     (columns COL_*, then emitted, then next drafts): one host copy a step, no packing ops.
@@ -361,7 +364,7 @@ def launch_packed(
         BLOCK=block,
         DENSE_ROWS=dense,
         SEARCH=search,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
     return out
 
