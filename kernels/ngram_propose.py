@@ -25,7 +25,7 @@ from pagedinfer.kernels.ngram_layout import (
 from pagedinfer.kernels.ngram_reference import AcceptProposeOutput
 
 # Candidate ends per tile, and warps. In a CUDA graph on an H100 (B 1, K 4, n-gram 1-4, a 420- or
-# 1,500-token history; bench/NOTES.md, session 20): 1024 x 16 warps takes 3.5-4.3 us without the
+# 1,500-token history; bench/NOTES.md, session 20): 1024 x 16 warps takes 3.4-4.3 us without the
 # tie ranking and 13-23 us with it; the former 2048 x 8, 4.0-4.2 and 27 us.
 BLOCK = 1024
 NUM_WARPS = 16

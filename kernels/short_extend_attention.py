@@ -53,7 +53,7 @@ MAX_ROWS = 64
 MAX_TOKENS = 16
 # The merge in the kernel (decode's rule from 16 programs) up to this many splits; above, the
 # separate merge kernel. The last split's program merges all its rows (tokens x group) over every
-# split alone: H100, bench/verify_attention.py 2026-12-05 16:08 UTC, per call: Llama-3-8B batch 8
+# split alone: H100, bench/verify_attention.py 2026-12-05 16:07 UTC, per call: Llama-3-8B batch 8
 # x 5 tokens (5 splits) 22.2 vs 25.2 us at 512 tokens of context, 51.5 vs 53.7 at 2048; SmolLM2
 # batch 8 x 5 (22 splits) 15.2 vs 11.3 us.
 FUSED_MAX_SPLITS = 8
