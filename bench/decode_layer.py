@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,9 @@ from pagedinfer.engine.models.shapes import LLAMA3_8B
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.kernels import fused_ops, linear_ops, ops
 from pagedinfer.kernels import fused_reference as ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import graph_us  # noqa: E402  (bench/ is not a package)
 
 # Both sides use torch's GEMM: this bench compares the elementwise chain (bench/gemv.py has the GEMMs).
 linear_ops.GEMV_ENABLED = False
@@ -54,27 +56,7 @@ def time_us(fn) -> float:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile / autotune outside the capture
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    graph.replay()
-    samples = []
-    for _ in range(TRIALS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / REPS)
-    del graph
-    return statistics.median(samples)
+    return graph_us(fn, REPS, TRIALS)
 
 
 def make_layer(mc: ModelConfig, device: str, dtype: torch.dtype) -> LlamaDecoderLayer:

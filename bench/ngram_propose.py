@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.editing_tasks import TEXTS  # noqa: E402
+from bench.graph_timing import graph_us  # noqa: E402
 from pagedinfer.engine.spec_decode.ngram import CONTEXT_WINDOW  # noqa: E402
 from pagedinfer.kernels import ngram_ops  # noqa: E402
 
@@ -107,30 +108,7 @@ def time_us(args: tuple, ngram_max: int, num_next: int, context: int, reps: int,
             call()
             times.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(times)
-    return _graph_us(call, reps) - _graph_us(lambda: lens.copy_(lens0), reps)
-
-
-def _graph_us(fn, reps: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (Triton compiles here), off the capture
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-    return statistics.median(times)
+    return graph_us(call, GRAPH_CALLS, reps) - graph_us(lambda: lens.copy_(lens0), GRAPH_CALLS, reps)
 
 
 TILES = [(2048, 8), (2048, 16), (1024, 16), (1024, 8), (512, 16), (512, 8)]  # (block, num_warps)
