@@ -52,6 +52,16 @@ def verify_inputs(heads, batch: int, q: int, context: int, width: int) -> dict:
     return x
 
 
+def _short_fn(x: dict, **kw):
+    args = cases.extend_args(x)
+    return lambda: sea.paged_short_extend_attention(*args, x["scale"], max_query_len=x["new"], **kw)
+
+
+def _decode_fn(x: dict):
+    dec = (x["decode_query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
+    return lambda: ops.paged_decode_attention(*dec)
+
+
 def _variants(x: dict) -> dict:
     args = cases.extend_args(x)
     tiled = ea.default_config(
@@ -59,16 +69,13 @@ def _variants(x: dict) -> dict:
     )
     # the split partials merged by a second kernel (PDL), as before 2026-12-05 on every grid
     separate = SplitMerge.PDL if pdl_supported(x["query"].device) else SplitMerge.KERNEL
-    dec = (x["decode_query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
     # the short kernel named, not through the dispatch: PAGEDINFER_SHORT_EXTEND=0 or a changed
     # MAX_ROWS would otherwise time the tiled kernel under this name (the row records the dispatch)
     return {
-        "short": lambda: sea.paged_short_extend_attention(*args, x["scale"], max_query_len=x["new"]),
-        "short_merge_kernel": lambda: sea.paged_short_extend_attention(
-            *args, x["scale"], max_query_len=x["new"], merge=separate
-        ),
+        "short": _short_fn(x),
+        "short_merge_kernel": _short_fn(x, merge=separate),
         "tiled": lambda: ea.paged_extend_attention(*args, x["scale"], max_query_len=x["new"], config=tiled),
-        "decode_1tok": lambda: ops.paged_decode_attention(*dec),
+        "decode_1tok": _decode_fn(x),
     }
 
 
@@ -145,16 +152,6 @@ def plot(result: dict, path: Path) -> None:
 SWEEP_SHAPES = [(h, b, c) for h in (cases.SMOLLM2, cases.LLAMA) for b in (1, 8) for c in (420, 1024)]
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 SWEEP_TILES = ((64, 4), (32, 4), (32, 2))  # (block_n, num_warps)
-
-
-def _short_fn(x: dict, **kw):
-    args = cases.extend_args(x)
-    return lambda: sea.paged_short_extend_attention(*args, x["scale"], max_query_len=x["new"], **kw)
-
-
-def _decode_fn(x: dict):
-    dec = (x["decode_query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
-    return lambda: ops.paged_decode_attention(*dec)
 
 
 def _sweep_row(heads, batch: int, context: int, sets: list[dict], rep_ms: int) -> dict:

@@ -286,10 +286,6 @@ def default_merge(num_programs: int, device: torch.device) -> SplitMerge:
     return SplitMerge.PDL if num_programs < 16 else SplitMerge.FUSED
 
 
-def _choose_merge(config: DecodeConfig, num_splits: int, num_programs: int, device: torch.device):
-    return choose_merge(config.merge, num_splits, num_programs, device)
-
-
 def choose_merge(merge: SplitMerge | None, num_splits: int, num_programs: int, device: torch.device):
     """The merge a split kernel's call runs (decode, short extend): `merge`, or default_merge's
     for the grid when None; None without splits; PDL falls back to KERNEL where unsupported."""
@@ -397,7 +393,7 @@ def paged_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel without splits
-    merge = _choose_merge(config, num_splits, num_seqs * num_kv_heads, query.device)
+    merge = choose_merge(config.merge, num_splits, num_seqs * num_kv_heads, query.device)
     gdc = config.pdl_prologue and pdl_supported(query.device)  # else: no wait, plain stream order
     counters = (
         FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None

@@ -24,9 +24,9 @@ def test_counter_pool_gives_one_zeroed_buffer_per_device():
 def test_merge_choice_on_the_cpu():
     config = da.DecodeConfig(merge=SplitMerge.PDL)
     assert not pdl_supported(CPU)
-    assert da._choose_merge(config, 4, 8, CPU) is SplitMerge.KERNEL  # PDL needs Hopper
-    assert da._choose_merge(config, 1, 8, CPU) is None  # nothing to merge
-    assert da._choose_merge(da.DecodeConfig(merge=SplitMerge.FUSED), 4, 8, CPU) is SplitMerge.FUSED
+    assert da.choose_merge(config.merge, 4, 8, CPU) is SplitMerge.KERNEL  # PDL needs Hopper
+    assert da.choose_merge(config.merge, 1, 8, CPU) is None  # nothing to merge
+    assert da.choose_merge(da.DecodeConfig(merge=SplitMerge.FUSED).merge, 4, 8, CPU) is SplitMerge.FUSED
     assert da.default_merge(8, CPU) is SplitMerge.KERNEL  # the interpreter keeps the plain kernel
 
 
