@@ -4,7 +4,7 @@ A decode step of a few tokens reads every weight once for a few multiply-adds pe
 `kernels/gemv.py` streams the weights closer to the copy bandwidth than torch's GEMM (measured in
 bench/gemv.py). Everything else (prefill, large batches, the CPU, fp32/fp64) is `F.linear`.
 `norm_linear` is the same with the RMSNorm before it (and its residual add) folded into one kernel
-(kernels/norm_gemv.py) at one row, and at 2-16 rows in bf16; the fused norm and `linear` otherwise.
+at one row (kernels/norm_gemv.py), the fused norm and `linear` otherwise.
 Checks look at shapes and dtypes only, so a launch inside CUDA-graph capture never synchronizes.
 """
 
@@ -27,7 +27,7 @@ GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # (past 16 rows only for the shapes gemv.config_for names; 16 restores torch there for all).
 GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
 GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "64")), 64)  # 64: gemv.MAX_ROWS
-# PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before the GEMV (A/B switch).
+# PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch).
 NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
 
 
@@ -93,8 +93,7 @@ def uses_norm_gemv(
     backend=None,
     bias: torch.Tensor | None = None,
 ) -> bool:
-    """The GEMV with the RMSNorm folded in: one row, or 2-16 in a dtype that applies the norm
-    after the GEMV (norm_gemv.SCALE_AFTER_DTYPES); one dtype and device for every operand.
+    """The one-row GEMV with the RMSNorm folded in: one row, one dtype and device for every operand.
 
     Shapes that do not match take the two-step path, whose checks name the problem. Triton is
     imported only once the GEMV applies (a CPU-only install has none).
@@ -103,16 +102,15 @@ def uses_norm_gemv(
         NORM_GEMV_ENABLED
         and fused_ops.FUSED_KERNELS_ENABLED
         and x.dim() == 2
+        and x.shape[0] == 1
         and uses_gemv(x, weight, backend)
     ):
         return False
-    from pagedinfer.kernels.norm_gemv import MAX_ROW, MAX_ROWS, SCALE_AFTER_DTYPES
+    from pagedinfer.kernels.norm_gemv import MAX_ROW
 
-    rows, k = x.shape
-    after = x.dtype in SCALE_AFTER_DTYPES
+    k = x.shape[1]
     return (
-        (rows == 1 or (rows <= MAX_ROWS and after))
-        and (after or k <= MAX_ROW)
+        k <= MAX_ROW
         and weight.shape[1] == k
         and (bias is None or (tuple(bias.shape) == (weight.shape[0],) and bias.device == x.device))
         and weight.device == x.device
@@ -143,14 +141,13 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, residual) [T, K] -> (rms_norm(h) @ weight.T (+ bias) [T, N], h [T, K]), h = x + residual.
 
-    Without a residual h is x itself (a model's first layer). One kernel on the GPU where
-    `uses_norm_gemv` says so (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by
-    `linear`.
+    Without a residual h is x itself (a model's first layer). One kernel for a single row on the
+    GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`.
     """
     if uses_norm_gemv(x, residual, norm_weight, weight, backend, bias):
         from pagedinfer.kernels import gemv, norm_gemv
 
-        config = gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1])
+        config = gemv.config_for(1, weight.shape[0], weight.shape[1])
         out = _launch_if_fits(
             ("norm", config),
             lambda: norm_gemv.add_norm_gemv(x, residual, norm_weight, eps, weight, bias, config),

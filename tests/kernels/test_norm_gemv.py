@@ -1,7 +1,6 @@
-"""The RMSNorm folded into the GEMV (kernels/norm_gemv.py, linear_ops.norm_linear): the kernels
-(one row, norm before or after; 2-16 rows) under TRITON_INTERPRET=1 against the two-step
-reference, the dispatch, the model layer through both paths, and (marked gpu) the engine's
-configs at the 8B and SmolLM2 layer shapes."""
+"""The RMSNorm folded into the one-row GEMV (kernels/norm_gemv.py, linear_ops.norm_linear): the
+kernel under TRITON_INTERPRET=1 against the two-step reference, the dispatch, the model layer
+through both paths, and (marked gpu) the engine's configs at the 8B and SmolLM2 layer shapes."""
 
 from __future__ import annotations
 
@@ -35,33 +34,6 @@ def test_norm_gemv_matches_the_two_step_path(interpreter_results, name, dtype):
     assert result["ok"], result
 
 
-def test_check_catches_a_row_normalized_with_another_rows_statistics():
-    # Rows at their own scales: scaling every row by row 0's rstd must fail the worst-row check.
-    case = NormGemvCase("probe", None, 24, 64, rows=3)
-    x, residual, g, w, b = make_inputs(case, torch.float32, "cpu", seed=4)
-    ref_y, ref_h = reference(x, residual, g, 1e-5, w, b)
-    h = ref_h.double()
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
-    own = torch.nn.functional.linear(h * g.double(), w.double()) * rstd
-    row0 = torch.nn.functional.linear(h * g.double(), w.double()) * rstd[:1]
-    assert check(own.float(), ref_h, ref_y, ref_h, 24, torch.float32)["ok"]
-    assert not check(row0.float(), ref_h, ref_y, ref_h, 24, torch.float32)["ok"]
-
-
-def test_a_multi_row_call_needs_a_dot_config_and_the_norm_after():
-    from pagedinfer.kernels import norm_gemv
-
-    x, g, w = torch.randn(3, 32), torch.rand(32), torch.randn(8, 32)
-    reduce = norm_gemv.GemvConfig("reduce", 16, 32, 4, 2)
-    dot = norm_gemv.GemvConfig("dot", 16, 32, 4, 2)
-    with pytest.raises(ValueError, match="2-16 rows"):
-        norm_gemv.add_norm_gemv(x, None, g, 1e-5, w, None, reduce, scale_after=True)
-    with pytest.raises(ValueError, match="2-16 rows"):
-        norm_gemv.add_norm_gemv(x, None, g, 1e-5, w, None, dot, scale_after=False)
-    with pytest.raises(ValueError, match="2-16 rows"):
-        norm_gemv.add_norm_gemv(torch.randn(17, 32), None, g, 1e-5, w, None, dot, scale_after=True)
-
-
 def test_check_catches_a_missing_norm_and_a_wrong_residual():
     # The tolerance check must reject a GEMV of the un-normed row and a residual that is not x + r.
     case = NormGemvCase("probe", None, 24, 64)  # make_inputs reads the shapes only
@@ -73,17 +45,12 @@ def test_check_catches_a_missing_norm_and_a_wrong_residual():
     assert check(ref_y.float(), ref_h, ref_y, ref_h, 24, torch.float32)["ok"]
 
 
-def test_dispatch_folds_one_row_and_2_to_16_bf16_rows_on_triton():
+def test_dispatch_folds_only_one_row_on_triton():
     x, g, w = torch.randn(1, 32).half(), torch.rand(32).half(), torch.randn(8, 32).half()
     assert not linear_ops.uses_norm_gemv(x, None, g, w)  # CPU: the reference backend
     expected = linear_ops.GEMV_ENABLED and linear_ops.NORM_GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
     assert linear_ops.uses_norm_gemv(x, x.clone(), g, w, "triton") == expected
-    # Several rows only where the norm is applied after the GEMV (bf16), and at most 16 of them.
-    assert not linear_ops.uses_norm_gemv(torch.randn(2, 32).half(), None, g, w, "triton")  # fp16
-    gb, wb = g.bfloat16(), w.bfloat16()
-    for rows in (2, 5, 16):
-        assert linear_ops.uses_norm_gemv(torch.randn(rows, 32).bfloat16(), None, gb, wb, "triton") == expected
-    assert not linear_ops.uses_norm_gemv(torch.randn(17, 32).bfloat16(), None, gb, wb, "triton")
+    assert not linear_ops.uses_norm_gemv(torch.randn(2, 32).half(), None, g, w, "triton")  # 2 rows
     assert not linear_ops.uses_norm_gemv(x, None, g.float(), w, "triton")  # mixed dtypes
     assert not linear_ops.uses_norm_gemv(x, None, g[:16], w, "triton")  # wrong norm shape
     assert not linear_ops.uses_norm_gemv(x, None, g, w[:, :16], "triton")  # weight K != x's K
@@ -124,29 +91,19 @@ def test_mismatched_norm_weight_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(
-    "dtype,rows",
-    [(torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 2), (torch.bfloat16, 5), (torch.bfloat16, 16)],
-    ids=["bf16", "fp16", "bf16-rows2", "bf16-rows5", "bf16-rows16"],
-)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "first"])
 @pytest.mark.parametrize(
-    "n,k,bias",
-    [(6144, 4096, False), (28672, 4096, False), (1536, 896, True), (1536, 576, False), (3072, 576, False)],
+    "n,k,bias", [(6144, 4096, False), (28672, 4096, False), (1536, 896, True), (1536, 576, False)]
 )
-def test_engine_configs_at_full_shapes(dtype, rows, residual, n, k, bias):
+def test_engine_configs_at_full_shapes(dtype, residual, n, k, bias):
     from pagedinfer.kernels import gemv, norm_gemv
 
-    config = gemv.config_for(rows, n, k)
-    case = NormGemvCase("gpu", config, n, k, residual=residual, bias=bias, rows=rows)
+    case = NormGemvCase("gpu", gemv.config_for(1, n, k), n, k, residual=residual, bias=bias)
     x, r, g, w, b = make_inputs(case, dtype, "cuda", seed=n + k)
     y, h = norm_gemv.add_norm_gemv(x, r, g, 1e-5, w, b, case.config)
     result = check(y, h, *reference(x, r, g, 1e-5, w, b), n, dtype)
     assert result["ok"], result
-    # The engine's paths: bf16 applies the norm after at any row count, fp16 before (one row).
-    assert linear_ops.uses_norm_gemv(x, r, g, w, None, b) == (
-        linear_ops.GEMV_ENABLED and linear_ops.NORM_GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
-    )
     # And through the launcher the model calls: the same kernel (unless switched off for the run).
     if linear_ops.uses_norm_gemv(x, r, g, w, None, b):
         y2, _ = linear_ops.norm_linear(x, r, g, 1e-5, w, b)
