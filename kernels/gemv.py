@@ -69,6 +69,46 @@ def _gemv_reduce_kernel(
 
 
 @triton.jit
+def dot_rows(
+    x_ptr,
+    w_ptr,
+    rm,
+    rn,
+    K,
+    stride_xm,
+    stride_wn,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_N] fp32: rows rm of x [M, K] times rows rn of W [N, K], transposed.
+
+    The `dot` variant's loop, shared with kernels/norm_epilogue.py. x is loaded as it is and fed to
+    the tensor cores: an elementwise op on it inside the loop (normalizing, scaling by the norm
+    weight, summing squares) cost 1.5-3x the loop's time on the H100 (bench/NOTES.md, session 21).
+    """
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_mask = k < K
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
 def _gemv_dot_kernel(
     x_ptr,
     w_ptr,
@@ -87,22 +127,9 @@ def _gemv_dot_kernel(
 ):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_mask = k < K
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        w = tl.load(
-            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
-            mask=n_mask[None, :] & k_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
-        acc = tl.dot(x, w, acc)
+    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(

@@ -4,7 +4,9 @@ A decode step of a few tokens reads every weight once for a few multiply-adds pe
 `kernels/gemv.py` streams the weights closer to the copy bandwidth than torch's GEMM (measured in
 bench/gemv.py). Everything else (prefill, large batches, the CPU, fp32/fp64) is `F.linear`.
 `norm_linear` is the same with the RMSNorm before it (and its residual add) folded into one kernel
-at one row (kernels/norm_gemv.py), the fused norm and `linear` otherwise.
+at one row (kernels/norm_gemv.py), the fused norm and `linear` otherwise. At 2-16 rows in bf16
+`linear_residual` (o_proj, down) computes the next norm's statistics in its epilogue and
+`norm_linear` applies them in its GEMV's epilogue (kernels/norm_epilogue.py): no norm kernel.
 Checks look at shapes and dtypes only, so a launch inside CUDA-graph capture never synchronizes.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,21 @@ GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
 GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "64")), 64)  # 64: gemv.MAX_ROWS
 # PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch).
 NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
+# PAGEDINFER_NORM_EPILOGUE=0 keeps the norm kernel at 2-16 rows (the A/B switch of the benchmarks).
+NORM_EPILOGUE_ENABLED = os.environ.get("PAGEDINFER_NORM_EPILOGUE", "1") != "0"
+# fp16 would overflow on h * g before the norm scales it (kernels/norm_epilogue.py).
+NORM_EPILOGUE_DTYPES = (torch.bfloat16,)
+NORM_EPILOGUE_MAX_ROWS = 16  # norm_epilogue.MAX_ROWS
+
+
+@dataclass
+class Prenormed:
+    """A block output whose next RMSNorm is half done (kernels/norm_epilogue.py): h [M, K] the
+    residual stream, u = h * g [M, K] (g that norm's weight), partial sums of h^2 [programs, 16]."""
+
+    h: torch.Tensor
+    u: torch.Tensor
+    partials: torch.Tensor
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> bool:
@@ -130,8 +148,82 @@ def uses_norm_gemv(
     )
 
 
-def norm_linear(
+def uses_norm_epilogue(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, backend=None
+) -> bool:
+    """x @ weight.T + residual with the next norm's statistics in the epilogue: 2-16 rows of a
+    NORM_EPILOGUE_DTYPES dtype on the GEMV path, operands on one device in one dtype."""
+    if not (
+        NORM_EPILOGUE_ENABLED
+        and fused_ops.FUSED_KERNELS_ENABLED
+        and x.dim() == 2
+        and 2 <= x.shape[0] <= NORM_EPILOGUE_MAX_ROWS
+        and x.dtype in NORM_EPILOGUE_DTYPES
+        and uses_gemv(x, weight, backend)
+    ):
+        return False
+    n = weight.shape[0]
+    return (
+        weight.device == x.device
+        and tuple(residual.shape) == (x.shape[0], n)
+        and residual.dtype == x.dtype
+        and residual.device == x.device
+        and residual.stride(-1) == 1
+        and tuple(norm_weight.shape) == (n,)
+        and norm_weight.dtype == x.dtype
+        and norm_weight.device == x.device
+        and norm_weight.stride(0) == 1
+    )
+
+
+def linear_residual(
     x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    next_norm_weight: torch.Tensor | None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor | Prenormed, torch.Tensor | None]:
+    """x [T, K] @ weight [N, K].T, the block output, with the residual stream [T, N] -> what the
+    next `norm_linear` takes: (Prenormed, None) when the next norm (weight next_norm_weight) rides
+    in this GEMV's epilogue (`uses_norm_epilogue`), else (y, residual) unchanged."""
+    if next_norm_weight is not None and uses_norm_epilogue(x, weight, residual, next_norm_weight, backend):
+        from pagedinfer.kernels import gemv, norm_epilogue
+
+        config = gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1])
+        if config is not None and config.variant == "dot":
+            pre = _launch_if_fits(
+                ("prenorm", config),
+                lambda: norm_epilogue.add_prenorm(x, weight, residual, next_norm_weight, config),
+            )
+            if pre is not None:
+                return pre, None
+    return linear(x, weight, None, backend), residual
+
+
+def _prenormed_linear(
+    pre: Prenormed, eps: float, weight: torch.Tensor, bias: torch.Tensor | None, backend: str | None
+) -> torch.Tensor:
+    """rms_norm(pre.h) @ weight.T (+ bias), the norm finished in the GEMV's epilogue; torch's
+    ops where the kernel does not apply (the same math, unfused)."""
+    rows, k = pre.u.shape
+    if weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take rows of {k}")
+    if uses_gemv(pre.u, weight, backend) and rows <= NORM_EPILOGUE_MAX_ROWS:
+        from pagedinfer.kernels import gemv, norm_epilogue
+
+        config = gemv.config_for(rows, weight.shape[0], k)
+        if config is not None and config.variant == "dot":
+            y = _launch_if_fits(
+                ("rstd", config), lambda: norm_epilogue.rstd_linear(pre, eps, weight, bias, config)
+            )
+            if y is not None:
+                return y
+    rstd = torch.rsqrt(pre.partials[:, :rows].sum(0) / k + eps)
+    return linear((pre.u.float() * rstd[:, None]).to(pre.u.dtype), weight, bias, backend)
+
+
+def norm_linear(
+    x: torch.Tensor | Prenormed,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
@@ -142,8 +234,11 @@ def norm_linear(
     """(x, residual) [T, K] -> (rms_norm(h) @ weight.T (+ bias) [T, N], h [T, K]), h = x + residual.
 
     Without a residual h is x itself (a model's first layer). One kernel for a single row on the
-    GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`.
+    GPU (kernels/norm_gemv.py), else the fused norm (fused_ops) followed by `linear`. A Prenormed
+    x (from `linear_residual`, residual None) carries h and this norm, weight applied, inside it.
     """
+    if isinstance(x, Prenormed):
+        return _prenormed_linear(x, eps, weight, bias, backend), x.h
     if uses_norm_gemv(x, residual, norm_weight, weight, backend, bias):
         from pagedinfer.kernels import gemv, norm_gemv
 

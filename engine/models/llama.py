@@ -22,7 +22,8 @@ from pagedinfer.engine.models.layers.mlp import SwiGLUMLP
 from pagedinfer.engine.models.layers.rms_norm import RMSNorm
 from pagedinfer.engine.models.layers.rotary import RotaryEmbedding
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
-from pagedinfer.kernels.linear_ops import linear, norm_linear
+from pagedinfer.kernels import fused_ops
+from pagedinfer.kernels.linear_ops import Prenormed, linear, linear_residual, norm_linear
 
 # Checkpoint names that carry no weights of ours (old HF checkpoints saved the rope table).
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,26 +47,32 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | Prenormed,
         residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_norm_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | Prenormed, torch.Tensor | None]:
         # hidden, residual [T, hidden]; returns the block output and the running residual. Each
         # norm runs with the projection after it (one kernel at one token a step: norm_linear).
+        # At 2-16 tokens o_proj and down may carry the next norm in their epilogues instead
+        # (linear_residual): then hidden is a Prenormed with the residual inside it, and residual
+        # None. next_norm_weight is the next layer's input norm (None: leave the norm to the caller).
         backend = attn_metadata.backend  # the fused elementwise kernels follow the attention backend
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         qkv, residual = norm_linear(
             hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, backend
         )
-        hidden = attn.attend(qkv, rope, kv_cache, attn_metadata)
+        heads = attn.attend_heads(qkv, rope, kv_cache, attn_metadata)
         norm = self.post_attention_layernorm
+        hidden, residual = linear_residual(heads, attn.o_proj.weight, residual, norm.weight, backend)
         gate_up, residual = norm_linear(
             hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None, backend
         )
-        return mlp.down(gate_up, backend=backend), residual
+        act = fused_ops.silu_mul(gate_up, backend=backend)
+        return linear_residual(act, mlp.down_proj.weight, residual, next_norm_weight, backend)
 
 
 class LlamaModel(nn.Module):
@@ -117,8 +124,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb(positions)  # (cos, sin) [T, D/2], shared by every layer
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+        layers = self.model.layers
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            # The last layer leaves the final norm (a kernel of its own) to the model.
+            next_norm = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata, next_norm)
         hidden, _ = self.model.norm(hidden, residual, backend=attn_metadata.backend)
         return hidden
 

@@ -51,15 +51,25 @@ class PagedAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Everything after the qkv projection: qkv [T, (H + 2 KVH) D] -> [T, hidden]."""
-        num_tokens = qkv.shape[0]
+        heads = self.attend_heads(qkv, rope, kv_cache, attn_metadata)
+        return linear(heads, self.o_proj.weight, None, attn_metadata.backend)  # [T, hidden]
+
+    def attend_heads(
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`attend` up to o_proj (which the layer may run with the next norm in its epilogue):
+        qkv [T, (H + 2 KVH) D] -> the heads' outputs [T, H * D]."""
         key_cache, value_cache = kv_cache
-        backend = attn_metadata.backend
         # Rotates q and k; the new K/V go into the cache first, attention then reads only the cache.
         q = fused_ops.rotary_cache_write(
             qkv, *rope, key_cache, value_cache, attn_metadata.slot_mapping, backend=attn_metadata.backend
         )  # [T, H, D]
         out = self._attend(q, key_cache, value_cache, attn_metadata)  # [T, H, D]
-        return linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, None, backend)  # [T, hidden]
+        return out.reshape(qkv.shape[0], self.q_size)
 
     def _attend(self, q, key_cache, value_cache, md: AttentionMetadata) -> torch.Tensor:
         if md.is_pure_decode:

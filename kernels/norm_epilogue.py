@@ -1,0 +1,185 @@
+"""Triton kernels: the RMSNorm between two GEMVs carried by their epilogues (2-16 rows, bf16).
+
+A verification step of a few tokens a sequence runs each decoder layer's GEMVs at 2-16 rows, and
+in front of qkv and gate_up sits an RMSNorm: a kernel of its own (~1.6 us in a graph at SmolLM2's
+shapes), 60 a step. Folding it into the next GEMV's loop is slower than the launch it saves (the
+tensor cores want x as loaded: bench/NOTES.md, session 21). Here nothing touches x inside a loop:
+
+- `add_prenorm` (o_proj, down: the GEMV before a norm): y = x @ W.T, then in its epilogue
+  h = y + residual (rounded as torch rounds the two-step add), u = h * g (g the next norm's weight)
+  and, per program, the sum of h^2 over its N tile for each row: partials [programs, 16] fp32.
+- `rstd_linear` (qkv, gate_up: the GEMV after it): acc = u @ W.T with u loaded as it is; in its
+  epilogue each row's sum of squares from the partials (a fixed order: deterministic) gives
+  rstd, y = acc * rstd (+ bias).
+
+rms_norm(h) @ W.T = rstd * ((h * g) @ W.T) per row. The rounding differs from the two-step path's
+(normed = (h * rstd rounded) * g rounded): here h * g is rounded once. In fp16 h * g, not yet
+normalized, could overflow, so the engine uses these in bf16 only (linear_ops.uses_norm_epilogue).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedinfer.kernels.gemv import GemvConfig, dot_rows
+from pagedinfer.kernels.linear_ops import NORM_EPILOGUE_MAX_ROWS as MAX_ROWS
+from pagedinfer.kernels.linear_ops import Prenormed  # what add_prenorm returns (no Triton there)
+
+
+@triton.jit
+def _add_prenorm_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    residual_ptr,  # [M, N]
+    norm_w_ptr,  # [N] the next norm's weight
+    h_ptr,  # [M, N] out: x @ W.T + residual
+    u_ptr,  # [M, N] out: h * norm_w
+    partials_ptr,  # [programs, BLOCK_M] out: sum of h^2 over this program's columns
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = h_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    r = tl.load(residual_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mn_mask, other=0.0)
+    # The two-step path's rounding: the GEMV's output in the dtype, then x + residual rounded.
+    h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+    out = rm[:, None] * N + rn[None, :]
+    tl.store(h_ptr + out, h, mask=mn_mask)
+    hf = h.to(tl.float32)  # masked rows and columns are 0
+    g = tl.load(norm_w_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(u_ptr + out, (hf * g[None, :]).to(dtype), mask=mn_mask)
+    tl.store(partials_ptr + pid * BLOCK_M + rm, tl.sum(hf * hf, axis=1))
+
+
+@triton.jit
+def _rstd_linear_kernel(
+    u_ptr,  # [M, K] h * g
+    w_ptr,  # [N, K]
+    partials_ptr,  # [P, BLOCK_M] sums of h^2
+    b_ptr,  # [N] or a dummy
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    P,
+    stride_um,
+    stride_wn,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = dot_rows(u_ptr, w_ptr, rm, rn, K, stride_um, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    rp = tl.arange(0, BLOCK_P)
+    parts = tl.load(partials_ptr + rp[:, None] * BLOCK_M + rm[None, :], mask=(rp < P)[:, None], other=0.0)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(parts, axis=0) / K + eps))  # as the norm kernel
+    acc *= rstd[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * N + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> None:
+    rows, k = x.shape
+    if not (0 < rows <= MAX_ROWS and config.variant == "dot" and weight.shape[1] == k):
+        raise ValueError(
+            f"norm epilogue GEMVs take 1-{MAX_ROWS} rows, a dot config and weight [N, {k}], got "
+            f"{tuple(x.shape)}, {config.variant}, {tuple(weight.shape)}"
+        )
+
+
+def add_prenorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    config: GemvConfig,
+) -> Prenormed:
+    """x [M, K] @ weight [N, K].T + residual [M, N] -> Prenormed for a norm of weight norm_weight [N]."""
+    _check(x, weight, config)
+    rows, k = x.shape
+    n = weight.shape[0]
+    programs = triton.cdiv(n, config.block_n)
+    h = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    u = torch.empty_like(h)
+    partials = torch.empty((programs, MAX_ROWS), dtype=torch.float32, device=x.device)
+    _add_prenorm_kernel[(programs,)](
+        x,
+        weight,
+        residual,
+        norm_weight,
+        h,
+        u,
+        partials,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0),
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return Prenormed(h, u, partials)
+
+
+def rstd_linear(
+    pre: Prenormed, eps: float, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig
+) -> torch.Tensor:
+    """rms_norm(pre.h) (its weight already in pre.u) @ weight [N, K].T (+ bias) -> [M, N]."""
+    u = pre.u
+    _check(u, weight, config)
+    rows, k = u.shape
+    n = weight.shape[0]
+    y = torch.empty((rows, n), dtype=u.dtype, device=u.device)
+    num_partials = pre.partials.shape[0]
+    _rstd_linear_kernel[(triton.cdiv(n, config.block_n),)](
+        u,
+        weight,
+        pre.partials,
+        bias if bias is not None else y,
+        y,
+        rows,
+        n,
+        k,
+        num_partials,
+        u.stride(0),
+        weight.stride(0),
+        float(eps),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        BLOCK_P=triton.next_power_of_2(num_partials),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return y

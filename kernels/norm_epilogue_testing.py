@@ -1,0 +1,118 @@
+"""Test cases of the norm carried by GEMV epilogues (kernels/norm_epilogue.py), shared by the CPU
+interpreter test and the GPU test: `add_prenorm` (an o_proj or down with the residual) then
+`rstd_linear` (the qkv or gate_up after the norm), against the two-step path they replace: the
+GEMV, x + residual in the dtype, fused_reference.rms_norm, an fp64 F.linear. Rows at their own
+scales (a row normalized with another row's statistics is far off), odd widths (masked edge
+tiles), several programs' partials, with and without bias.
+
+Checked: the next residual h (to the GEMV's tolerance: only the order of its sums differs), u =
+h * g bit for bit from the kernel's own h, the partials summing to each row's sum of h^2, and the
+output's worst row against the reference.
+
+`python -m pagedinfer.kernels.norm_epilogue_testing OUT.json` runs INTERPRETER_CASES on the CPU
+(set TRITON_INTERPRET=1 in its environment) and writes one result per case and dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.kernels import fused_reference
+from pagedinfer.kernels.gemv import GemvConfig
+from pagedinfer.kernels.gemv_testing import TOLERANCE
+from pagedinfer.kernels.norm_epilogue import add_prenorm, rstd_linear
+
+
+@dataclass(frozen=True)
+class EpilogueCase:
+    name: str
+    config: GemvConfig
+    rows: int
+    k_in: int  # the first GEMV's input width (heads or intermediate)
+    hidden: int  # its output width: the normed row
+    n_out: int  # the second GEMV's output width
+    bias: bool = False
+
+
+_DOT = GemvConfig("dot", 16, 32, 4, 2)
+INTERPRETER_CASES = [
+    EpilogueCase("rows5_edges_bias", _DOT, 5, 75, 72, 37, bias=True),  # 5 programs of partials
+    EpilogueCase("rows2", _DOT, 2, 64, 48, 40),
+    EpilogueCase("rows16_wide_tiles", GemvConfig("dot", 32, 64, 4, 2), 16, 130, 96, 40),
+]
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+def make_inputs(case: EpilogueCase, dtype: torch.dtype, device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(case.rows, case.k_in, generator=gen)
+    w1 = torch.randn(case.hidden, case.k_in, generator=gen) / case.k_in**0.5
+    row_scale = 3.0 * (1.0 + torch.arange(case.rows, dtype=torch.float32))[:, None]
+    residual = row_scale * torch.randn(case.rows, case.hidden, generator=gen)
+    g = 1.0 + 0.5 * torch.randn(case.hidden, generator=gen)
+    w2 = torch.randn(case.n_out, case.hidden, generator=gen) / case.hidden**0.5
+    b = torch.randn(case.n_out, generator=gen) if case.bias else None
+    return tuple(t.to(device, dtype) if t is not None else None for t in (x, w1, residual, g, w2, b))
+
+
+def reference(x, w1, residual, g, w2, b, eps):
+    """The two-step path: (h, fp64 output of the normed h's GEMV)."""
+    h = (F.linear(x, w1).float() + residual.float()).to(x.dtype)
+    normed = fused_reference.rms_norm(h, g, eps)
+    y = F.linear(normed.double(), w2.double(), b.double() if b is not None else None)
+    return h, y
+
+
+def worst_row_rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((a.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
+
+
+def check(pre, y, g, ref_h, ref_y, dtype: torch.dtype) -> dict:
+    rows = ref_h.shape[0]
+    h_rel = worst_row_rel(pre.h, ref_h)
+    u_exact = bool(torch.equal(pre.u, (pre.h.float() * g.float()).to(dtype)))
+    squares = pre.h.double().pow(2).sum(-1)
+    partial_rel = float(((pre.partials[:, :rows].double().sum(0) - squares).abs() / squares).max())
+    pad_rows_zero = bool((pre.partials[:, rows:] == 0).all())
+    y_rel = worst_row_rel(y, ref_y)
+    tol = TOLERANCE[dtype]
+    return {
+        "h_rel": h_rel,
+        "u_exact": u_exact,
+        "partial_rel": partial_rel,
+        "pad_rows_zero": pad_rows_zero,
+        "y_rel": y_rel,
+        "ok": h_rel <= tol and u_exact and partial_rel <= 1e-5 and pad_rows_zero and y_rel <= tol,
+    }
+
+
+def run_case(case: EpilogueCase, dtype: torch.dtype, device: str, seed: int = 0, eps: float = 1e-5) -> dict:
+    x, w1, residual, g, w2, b = make_inputs(case, dtype, device, seed)
+    pre = add_prenorm(x, w1, residual, g, case.config)
+    y = rstd_linear(pre, eps, w2, b, case.config)
+    ref_h, ref_y = reference(x, w1, residual, g, w2, b, eps)
+    return {
+        "name": case.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        **check(pre, y, g, ref_h, ref_y, dtype),
+    }
+
+
+def main(argv: list[str]) -> int:
+    results = [
+        run_case(case, dtype, "cpu", seed=i)
+        for i, case in enumerate(INTERPRETER_CASES)
+        for dtype in INTERPRETER_DTYPES
+    ]
+    with open(argv[0], "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

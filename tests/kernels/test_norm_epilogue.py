@@ -1,0 +1,134 @@
+"""The RMSNorm carried by GEMV epilogues at 2-16 rows (kernels/norm_epilogue.py, linear_ops
+linear_residual / norm_linear): the kernels under TRITON_INTERPRET=1 against the two-step path,
+the checks' power to fail, the dispatch, the torch fallback, and (marked gpu) the engine's
+configs at the SmolLM2, Qwen2 and 8B layer shapes in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.kernels import fused_ops, linear_ops
+from pagedinfer.kernels.linear_ops import Prenormed
+from pagedinfer.kernels.norm_epilogue_testing import (
+    INTERPRETER_CASES,
+    INTERPRETER_DTYPES,
+    EpilogueCase,
+    check,
+    make_inputs,
+    reference,
+)
+from tests.kernels.interpreter_run import run_interpreter_cases
+
+pytest.importorskip("triton")
+
+CASE_IDS = [(c.name, str(d).removeprefix("torch.")) for c in INTERPRETER_CASES for d in INTERPRETER_DTYPES]
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    return run_interpreter_cases(
+        "pagedinfer.kernels.norm_epilogue_testing", tmp_path_factory.mktemp("norm_epilogue")
+    )
+
+
+@pytest.mark.parametrize("name,dtype", CASE_IDS, ids=[f"{n}-{d}" for n, d in CASE_IDS])
+def test_epilogue_norm_matches_the_two_step_path(interpreter_results, name, dtype):
+    result = interpreter_results[(name, dtype)]
+    assert result["ok"], result
+
+
+def _torch_prenormed(x, w1, residual, g, programs: int) -> Prenormed:
+    """What add_prenorm computes, in torch (partials split over `programs` column blocks)."""
+    h = (F.linear(x, w1).float() + residual.float()).to(x.dtype)
+    partials = torch.zeros(programs, 16)
+    for p, cols in enumerate(h.float().chunk(programs, dim=1)):
+        partials[p, : h.shape[0]] = cols.pow(2).sum(-1)
+    return Prenormed(h, (h.float() * g.float()).to(h.dtype), partials)
+
+
+def test_the_checks_catch_wrong_statistics_a_missing_weight_and_a_lost_program():
+    case = EpilogueCase("probe", None, 4, 40, 48, 24)
+    x, w1, residual, g, w2, b = make_inputs(case, torch.float32, "cpu", seed=5)
+    ref_h, ref_y = reference(x, w1, residual, g, w2, b, EPS)
+    good = _torch_prenormed(x, w1, residual, g, programs=3)
+    rstd = torch.rsqrt(good.partials[:, :4].sum(0) / 48 + EPS)
+    y = F.linear(good.u * rstd[:, None], w2)
+    assert check(good, y, g, ref_h, ref_y, torch.float32)["ok"]
+    # Every row scaled by row 0's rstd (the rows are at different scales).
+    assert not check(good, F.linear(good.u * rstd[0], w2), g, ref_h, ref_y, torch.float32)["ok"]
+    # u without the norm weight.
+    no_weight = Prenormed(good.h, good.h.clone(), good.partials)
+    assert not check(no_weight, y, g, ref_h, ref_y, torch.float32)["ok"]
+    # One program's partials lost.
+    lost = Prenormed(good.h, good.u, good.partials.clone())
+    lost.partials[1] = 0
+    assert not check(lost, y, g, ref_h, ref_y, torch.float32)["ok"]
+
+
+def test_dispatch_takes_2_to_16_bf16_rows_on_triton_only():
+    enabled = linear_ops.NORM_EPILOGUE_ENABLED and linear_ops.GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
+    w, g = torch.randn(24, 32).bfloat16(), torch.rand(24).bfloat16()
+
+    def uses(rows, dtype=torch.bfloat16, backend="triton", norm=g, residual_cols=24):
+        x = torch.randn(rows, 32).to(dtype)
+        r = torch.randn(rows, residual_cols).to(dtype)
+        return linear_ops.uses_norm_epilogue(x, w.to(dtype), r, norm.to(dtype), backend)
+
+    assert not uses(5, backend=None)  # the CPU: the reference backend
+    for rows in (2, 5, 16):
+        assert uses(rows) == enabled
+    assert not uses(1) and not uses(17)  # one row has its own fold; past 16 the norm kernel
+    assert not uses(5, torch.float16)  # h * g could overflow fp16
+    assert not uses(5, norm=g[:16])  # a norm of another width
+    assert not uses(5, residual_cols=16)  # a residual of another shape
+
+
+def test_the_cpu_path_is_the_plain_linear_and_leaves_the_residual_alone():
+    x, w, r, g = torch.randn(3, 32), torch.randn(24, 32), torch.randn(3, 24), torch.rand(24)
+    y, residual = linear_ops.linear_residual(x, w, r, g)
+    assert residual is r and torch.equal(y, F.linear(x, w))
+
+
+def test_the_torch_fallback_finishes_the_norm_like_the_two_step_path():
+    # A Prenormed on a path without the kernel (no fitting config): rstd from the partials in torch.
+    case = EpilogueCase("fallback", None, 3, 40, 48, 24, bias=True)
+    x, w1, residual, g, w2, b = make_inputs(case, torch.float32, "cpu", seed=6)
+    ref_h, ref_y = reference(x, w1, residual, g, w2, b, EPS)
+    pre = _torch_prenormed(x, w1, residual, g, programs=2)
+    y, h = linear_ops.norm_linear(pre, None, g, EPS, w2, b)
+    assert h is pre.h
+    assert float(((y.double() - ref_y).norm(dim=-1) / ref_y.norm(dim=-1)).max()) < 1e-5
+    with pytest.raises(ValueError, match="does not take rows"):
+        linear_ops.norm_linear(pre, None, g, EPS, w2[:, :16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [2, 5, 16])
+@pytest.mark.parametrize(
+    "k_in,hidden,n_out,bias",
+    [
+        (576, 576, 960, False),  # SmolLM2 o_proj -> qkv
+        (1536, 576, 3072, False),  # SmolLM2 down -> gate_up
+        (896, 896, 1152, True),  # Qwen2-0.5B o_proj -> qkv (bias)
+        (4096, 4096, 6144, False),  # 8B o_proj -> qkv
+        (14336, 4096, 28672, False),  # 8B down -> gate_up
+    ],
+)
+def test_engine_configs_at_full_shapes(rows, k_in, hidden, n_out, bias):
+    from pagedinfer.kernels import gemv, norm_epilogue
+
+    case = EpilogueCase("gpu", None, rows, k_in, hidden, n_out, bias=bias)
+    x, w1, residual, g, w2, b = make_inputs(case, torch.bfloat16, "cuda", seed=rows + k_in)
+    pre = norm_epilogue.add_prenorm(x, w1, residual, g, gemv.config_for(rows, hidden, k_in))
+    y = norm_epilogue.rstd_linear(pre, EPS, w2, b, gemv.config_for(rows, n_out, hidden))
+    result = check(pre, y, g, *reference(x, w1, residual, g, w2, b, EPS), torch.bfloat16)
+    assert result["ok"], result
+    # The launchers the model calls run the same kernels (unless switched off for the run).
+    if linear_ops.uses_norm_epilogue(x, w1, residual, g, None):
+        pre2, none = linear_ops.linear_residual(x, w1, residual, g)
+        y2, h2 = linear_ops.norm_linear(pre2, none, g, EPS, w2, b)
+        assert none is None and torch.equal(h2, pre.h) and torch.equal(y2, y)
