@@ -105,6 +105,8 @@ step bench_argmax "$PY" bench/argmax.py --out "$OUTDIR"
 step bench_ngram_propose "$PY" bench/ngram_propose.py --device cuda --out "$OUTDIR"
 # the one-row RMSNorm folded into the next GEMV vs a norm kernel + the GEMV (pairs and the 32-layer chain)
 step bench_norm_gemv "$PY" bench/norm_gemv.py --out "$OUTDIR" --rep-ms 25
+# the RMSNorm carried by GEMV epilogues at 2-16 rows vs a norm kernel (kernels and the layer chain)
+step bench_norm_epilogue "$PY" bench/norm_epilogue.py --out "$OUTDIR" --rep-ms 25
 # one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
 step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
 # Probes (PROBES=all, ~+2.5 min): where a decode step's time goes (torch.profiler kernel time vs
