@@ -6,8 +6,7 @@ o_proj / down write h, u = h * g and partial sums of h^2 (`add_prenorm`), and qk
 their rows by rstd (`rstd_linear`). Timed as CUDA graphs, bf16, for the SmolLM2-135M and
 Llama-3-8B layer shapes at 2, 5 and 16 rows:
 (a) per kernel, over distinct weight copies: o / down as the plain GEMV vs `add_prenorm`; qkv /
-    gate_up as norm kernel + GEMV vs `rstd_linear`; each epilogue kernel with its small loads
-    (residual, norm weight, partials) issued before the weight loop ("early") and after it ("late");
+    gate_up as norm kernel + GEMV vs `rstd_linear`;
 (b) the step's chain of linear layers (layers x [qkv, o, gate_up, down], attention and SwiGLU left
     out), norm kernels vs epilogues.
 The floor is the weight bytes over the device-to-device copy bandwidth measured in the same run;
@@ -51,12 +50,12 @@ def plain_gemv(x, res, g, w):
     return gemv(x, w, None, config_for(x.shape[0], *w.shape))
 
 
-def prenorm(x, res, g, w, early=True):
-    return add_prenorm(x, w, res, g, config_for(x.shape[0], *w.shape), early)
+def prenorm(x, res, g, w):
+    return add_prenorm(x, w, res, g, config_for(x.shape[0], *w.shape))
 
 
-def rstd(pre, w, early=True):
-    return rstd_linear(pre, EPS, w, None, config_for(pre.u.shape[0], *w.shape), early)
+def rstd(pre, w):
+    return rstd_linear(pre, EPS, w, None, config_for(pre.u.shape[0], *w.shape))
 
 
 def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, list]:
@@ -84,8 +83,7 @@ def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, l
         for name in ("o", "down"):
             ways = {
                 "gemv": [functools.partial(plain_gemv, x[name], res, g[0], w) for w in weights[name]],
-                "early": [functools.partial(prenorm, x[name], res, g[0], w, True) for w in weights[name]],
-                "late": [functools.partial(prenorm, x[name], res, g[0], w, False) for w in weights[name]],
+                "epilogue": [functools.partial(prenorm, x[name], res, g[0], w) for w in weights[name]],
             }
             kernels.append(time_ways(model, name, rows, shapes[name], ways, copy_gbps, rep_ms, say))
         for name in ("qkv", "gate_up"):
@@ -93,8 +91,7 @@ def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, l
                 "norm+gemv": [
                     functools.partial(norm_then_gemv, x[name], res, g[0], w) for w in weights[name]
                 ],
-                "early": [functools.partial(rstd, pre, w, True) for w in weights[name]],
-                "late": [functools.partial(rstd, pre, w, False) for w in weights[name]],
+                "epilogue": [functools.partial(rstd, pre, w) for w in weights[name]],
             }
             kernels.append(time_ways(model, name, rows, shapes[name], ways, copy_gbps, rep_ms, say))
 
@@ -110,7 +107,7 @@ def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, l
                 x_next = gemv(x["down"], weights["down"][i], None, config_for(rows, *shapes["down"]))
             return fused_ops.add_rms_norm(x_next, h, g[layers], EPS, "triton")
 
-        def with_epilogues(early: bool, x=x, res=res, rows=rows):
+        def with_epilogues(x=x, res=res, rows=rows):
             pending = None  # the previous layer's down output: the next norm half done
             h = res
             for i in range(layers):
@@ -118,28 +115,26 @@ def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, l
                     normed, h = fused_ops.add_rms_norm(x["o"], h, g[i], EPS, "triton")
                     gemv(normed, weights["qkv"][i], None, config_for(rows, *shapes["qkv"]))
                 else:
-                    rstd(pending, weights["qkv"][i], early)
+                    rstd(pending, weights["qkv"][i])
                     h = pending.h
-                pre = prenorm(x["o"], h, g[i], weights["o"][i], early)
-                rstd(pre, weights["gate_up"][i], early)
-                pending = prenorm(x["down"], pre.h, g[i + 1], weights["down"][i], early)
+                pre = prenorm(x["o"], h, g[i], weights["o"][i])
+                rstd(pre, weights["gate_up"][i])
+                pending = prenorm(x["down"], pre.h, g[i + 1], weights["down"][i])
             return pending
 
         t = {
             "norm kernels": _bench_graph([with_norm_kernels], rep_ms),
-            "epilogues early": _bench_graph([functools.partial(with_epilogues, True)], rep_ms),
-            "epilogues late": _bench_graph([functools.partial(with_epilogues, False)], rep_ms),
+            "epilogues": _bench_graph([with_epilogues], rep_ms),
         }
         entry = {"model": model, "rows": rows, "bytes": total_bytes, "floor_ms": floor_ms}
         entry.update({f"{way}_ms": v for way, v in t.items()})
-        entry["saved_us"] = 1e3 * (t["norm kernels"] - t["epilogues early"])
+        entry["saved_us"] = 1e3 * (t["norm kernels"] - t["epilogues"])
         chains.append(entry)
         say(
             f"{model:7s} chain of {layers} layers at {rows:2d} rows: floor {floor_ms:.3f} ms | norm kernels "
-            f"{t['norm kernels']:.3f} ms ({t['norm kernels'] / floor_ms:.2f}x) | epilogues early "
-            f"{t['epilogues early']:.3f} ({t['epilogues early'] / floor_ms:.2f}x), late {t['epilogues late']:.3f} "
-            f"| norm kernels / epilogues {t['norm kernels'] / t['epilogues early']:.3f}x, "
-            f"saved {entry['saved_us']:.0f} us a step"
+            f"{t['norm kernels']:.3f} ms ({t['norm kernels'] / floor_ms:.2f}x) | epilogues "
+            f"{t['epilogues']:.3f} ms ({t['epilogues'] / floor_ms:.2f}x) | norm kernels / epilogues "
+            f"{t['norm kernels'] / t['epilogues']:.3f}x, saved {entry['saved_us']:.0f} us a step"
         )
     return kernels, chains
 
@@ -154,7 +149,7 @@ def time_ways(model, name, rows, shape, ways, copy_gbps, rep_ms, say) -> dict:
     say(
         f"{model:7s} {name:7s} {n}x{k} rows {rows:2d}: floor {floor_us:5.1f} us | "
         + " | ".join(f"{way} {v:5.2f}" for way, v in t.items())
-        + f" | {base} / early {t[base] / t['early']:.3f}x"
+        + f" | {base} / epilogue {t[base] / t['epilogue']:.3f}x"
     )
     return row
 

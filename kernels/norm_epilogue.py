@@ -46,7 +46,6 @@ def _add_prenorm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EARLY_LOADS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = h_ptr.dtype.element_ty
@@ -55,13 +54,11 @@ def _add_prenorm_kernel(
     m_mask = rm < M
     n_mask = rn < N
     mn_mask = m_mask[:, None] & n_mask[None, :]
-    if EARLY_LOADS:  # issued before the weight stream: their latency hides behind it
-        r = tl.load(residual_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mn_mask, other=0.0)
-        g = tl.load(norm_w_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    # The epilogue's small loads go out before the weight stream, their latency hidden behind it
+    # (chains 1-2% faster than loading after the loop: bench/NOTES.md, session 21).
+    r = tl.load(residual_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mn_mask, other=0.0)
+    g = tl.load(norm_w_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
-    if not EARLY_LOADS:
-        r = tl.load(residual_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mn_mask, other=0.0)
-        g = tl.load(norm_w_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     # The two-step path's rounding: the GEMV's output in the dtype, then x + residual rounded.
     h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
     out = rm[:, None] * N + rn[None, :]
@@ -90,19 +87,16 @@ def _rstd_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    EARLY_LOADS: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     rp = tl.arange(0, BLOCK_P)
-    parts_ptrs = partials_ptr + rp[:, None] * BLOCK_M + rm[None, :]
-    if EARLY_LOADS:  # issued before the weight stream: their latency hides behind it
-        parts = tl.load(parts_ptrs, mask=(rp < P)[:, None], other=0.0)
+    parts = tl.load(  # before the weight stream, as in _add_prenorm_kernel
+        partials_ptr + rp[:, None] * BLOCK_M + rm[None, :], mask=(rp < P)[:, None], other=0.0
+    )
     acc = dot_rows(u_ptr, w_ptr, rm, rn, K, stride_um, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
-    if not EARLY_LOADS:
-        parts = tl.load(parts_ptrs, mask=(rp < P)[:, None], other=0.0)
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(parts, axis=0) / K + eps))  # as the norm kernel
     acc *= rstd[:, None]
     if HAS_BIAS:
@@ -129,7 +123,6 @@ def add_prenorm(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     config: GemvConfig,
-    early_loads: bool = True,
 ) -> Prenormed:
     """x [M, K] @ weight [N, K].T + residual [M, N] -> Prenormed for a norm of weight norm_weight [N]."""
     _check(x, weight, config)
@@ -156,7 +149,6 @@ def add_prenorm(
         BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        EARLY_LOADS=early_loads,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -169,7 +161,6 @@ def rstd_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     config: GemvConfig,
-    early_loads: bool = True,
 ) -> torch.Tensor:
     """rms_norm(pre.h) (its weight already in pre.u) @ weight [N, K].T (+ bias) -> [M, N]."""
     u = pre.u
@@ -196,7 +187,6 @@ def rstd_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_P=triton.next_power_of_2(num_partials),
-        EARLY_LOADS=early_loads,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
