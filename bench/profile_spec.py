@@ -61,6 +61,8 @@ def device_busy_us(prof) -> tuple[float, float]:
 
 CATEGORIES = (  # kernel name fragment -> what it does in a step (first match wins)
     ("gemv", "linear (GEMV)"),
+    ("_add_prenorm_kernel", "linear (GEMV)"),  # kernels/norm_epilogue.py: GEMVs carrying the norm
+    ("_rstd_linear_kernel", "linear (GEMV)"),
     ("nvjet", "linear (cuBLAS)"),
     ("gemm", "linear (cuBLAS)"),
     ("extend", "attention"),
