@@ -99,15 +99,11 @@ def _run_path(model, caches, on: bool, mutate: bool = False) -> tuple[dict, dict
     return outputs, calls
 
 
-def _rel_diffs(a: dict, b: dict) -> dict[str, float]:
-    return {k: float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b}
-
-
 def _run(out_path: str) -> None:
     import torch
 
     from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
-    from tests.kernels.test_norm_gemv_layer import _tiny_model
+    from tests.kernels.test_norm_gemv_layer import _rel_diffs, _tiny_model
 
     model = _tiny_model()
     caches = allocate_kv_caches(model.config, 3, BLOCK_SIZE, "cpu", torch.float16)
