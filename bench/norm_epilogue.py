@@ -119,8 +119,11 @@ def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, l
                     h = pending.h
                 pre = prenorm(x["o"], h, g[i], weights["o"][i])
                 rstd(pre, weights["gate_up"][i])
-                pending = prenorm(x["down"], pre.h, g[i + 1], weights["down"][i])
-            return pending
+                if i + 1 < layers:
+                    pending = prenorm(x["down"], pre.h, g[i + 1], weights["down"][i])
+            # As the engine: the last down is a plain GEMV and the final norm a kernel.
+            out = gemv(x["down"], weights["down"][layers - 1], None, config_for(rows, *shapes["down"]))
+            return fused_ops.add_rms_norm(out, pre.h, g[layers], EPS, "triton")
 
         t = {
             "norm kernels": _bench_graph([with_norm_kernels], rep_ms),

@@ -68,6 +68,24 @@ def test_the_checks_catch_wrong_statistics_a_missing_weight_and_a_lost_program()
     assert not check(lost, y, g, ref_h, ref_y, torch.float32)["ok"]
 
 
+def test_the_check_catches_a_residual_add_that_skips_torchs_rounding():
+    # In fp16 the GEMV's output must be rounded before the residual add, as the two-step path does:
+    # adding the fp32 sum instead stays within the tolerance but changes many elements of h.
+    case = EpilogueCase("probe", None, 5, 75, 72, 37)
+    x, w1, residual, g, w2, b = make_inputs(case, torch.float16, "cpu", seed=7)
+    ref_h, ref_y = reference(x, w1, residual, g, w2, b, EPS)
+
+    def prenormed(h):
+        partials = torch.zeros(1, 16)
+        partials[0, :5] = h.float().pow(2).sum(-1)
+        return Prenormed(h, (h.float() * g.float()).to(h.dtype), partials)
+
+    unrounded = (F.linear(x.double(), w1.double()) + residual.double()).to(torch.float16)
+    assert check(prenormed(ref_h), ref_y, g, ref_h, ref_y, torch.float16)["ok"]
+    result = check(prenormed(unrounded), ref_y, g, ref_h, ref_y, torch.float16)
+    assert not result["ok"] and result["h_rel"] <= 2e-3, result  # caught by the bit count only
+
+
 def test_dispatch_takes_2_to_16_bf16_rows_on_triton_only():
     enabled = linear_ops.NORM_EPILOGUE_ENABLED and linear_ops.GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
     w, g = torch.randn(24, 32).bfloat16(), torch.rand(24).bfloat16()
