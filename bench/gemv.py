@@ -77,6 +77,13 @@ CONFIGS = [
     GemvConfig("dot", 16, 512, 4, 2),
     GemvConfig("dot", 32, 512, 4, 2),
     GemvConfig("dot", 16, 1024, 4, 1),
+    # the fma candidate (2-8 rows; session 21): CUDA cores, W read once for all rows
+    GemvConfig("fma", 4, 256, 4, 4),
+    GemvConfig("fma", 8, 128, 4, 4),
+    GemvConfig("fma", 8, 256, 4, 3),
+    GemvConfig("fma", 16, 128, 4, 4),
+    GemvConfig("fma", 16, 64, 4, 6),
+    GemvConfig("fma", 8, 512, 8, 3),
 ]
 
 
@@ -135,7 +142,7 @@ def main() -> None:
             row["torch_frac_copy"] = layer_bytes / (torch_ms * 1e-3) / 1e9 / copy_gbps
             row["configs"] = {}
             for config in CONFIGS:
-                if config.variant == "reduce" and m > 2:
+                if (config.variant == "reduce" and m > 2) or (config.variant == "fma" and not 2 <= m <= 8):
                     continue
                 try:
                     out = gemv(x, weights[shape][0], None, config)

@@ -7,11 +7,15 @@ bandwidth). These kernels give each program BLOCK_N weight rows and walk K in BL
 the compiler pipelines (num_stages copies in flight); there is no split-K, so there is no second
 kernel and no atomics, and the result is deterministic.
 
-Two variants of the same contract:
+Three variants of the same contract:
 - `reduce`: multiply-and-accumulate into a [BLOCK_N, BLOCK_K] fp32 tile, one reduction at the end
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
-  cores; rows of x padded to 16), for up to 16 rows.
+  cores; rows of x padded to 16), for up to 16 rows;
+- `fma`: the `reduce` variant for 2-8 rows in one pass over W: a [rows, BLOCK_N, BLOCK_K] fp32
+  tile. A candidate for small models' latency-bound layers at a verification step's few rows,
+  where `dot`'s 16-row tiles cost 3.6-5.9 us against 3.1-4.1 us for one row (bench/NOTES.md,
+  session 21); `config_for` does not route to it until bench/gemv.py has measured it.
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -27,7 +31,7 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GemvConfig:
-    variant: str  # "reduce" or "dot"
+    variant: str  # "reduce", "dot" or "fma"
     block_n: int
     block_k: int
     num_warps: int
@@ -139,7 +143,50 @@ def _gemv_dot_kernel(
     )
 
 
+@triton.jit
+def _gemv_fma_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        y.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
 MAX_ROWS = 64  # the dot variant's row tile is the rows padded to 16, 32 or 64
+FMA_MAX_ROWS = 8  # the fma variant's [rows, BLOCK_N, BLOCK_K] accumulator lives in registers
 
 # From the H200 sweep of bench/gemv.py (2026-12-03, NOTES.md "Small-batch linear layers"): at one
 # row, few output rows (N <= 4096: 256 programs) want long K tiles and 8 warps, mid-size N short
@@ -171,6 +218,8 @@ def gemv(
         )
     if num_rows > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}")
+    if config.variant == "fma" and num_rows > FMA_MAX_ROWS:
+        raise ValueError(f"the fma variant takes at most {FMA_MAX_ROWS} rows, got {num_rows}")
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
@@ -196,6 +245,8 @@ def gemv(
     )
     if config.variant == "dot":
         _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
+    elif config.variant == "fma":
+        _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(num_rows), **common)
     else:
         _gemv_reduce_kernel[grid](*args, **common)
     return y
