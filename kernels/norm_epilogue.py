@@ -15,6 +15,8 @@ tensor cores want x as loaded: bench/NOTES.md, session 21). Here nothing touches
 rms_norm(h) @ W.T = rstd * ((h * g) @ W.T) per row. The rounding differs from the two-step path's
 (normed = (h * rstd rounded) * g rounded): here h * g is rounded once. In fp16 h * g, not yet
 normalized, could overflow, so the engine uses these in bf16 only (linear_ops.uses_norm_epilogue).
+Under tensor parallelism o_proj and down are row-parallel: each rank's y is a partial sum until
+the all-reduce, so `add_prenorm`'s epilogue (residual add, statistics) belongs after it there.
 """
 
 from __future__ import annotations
