@@ -75,16 +75,13 @@ def run_case(case: GemvCase, dtype: torch.dtype, device: str, seed: int = 0) -> 
     }
 
 
-def main(argv: list[str]) -> int:
-    results = [
-        run_case(case, dtype, "cpu", seed=i)
-        for i, case in enumerate(INTERPRETER_CASES)
-        for dtype in INTERPRETER_DTYPES
-    ]
-    with open(argv[0], "w") as f:
+def write_interpreter_results(path: str, run_case, cases, dtypes) -> None:
+    """Runs every case in every dtype on the CPU (seed = the case's index) and writes one JSON
+    result each to `path`: the `__main__` of the kernels' *_testing modules."""
+    results = [run_case(case, dtype, "cpu", seed=i) for i, case in enumerate(cases) for dtype in dtypes]
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    write_interpreter_results(sys.argv[1], run_case, INTERPRETER_CASES, INTERPRETER_DTYPES)

@@ -18,7 +18,6 @@ its row.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 from pagedinfer.kernels import fused_reference
 from pagedinfer.kernels.gemv import GemvConfig
-from pagedinfer.kernels.gemv_testing import TOLERANCE
+from pagedinfer.kernels.gemv_testing import TOLERANCE, write_interpreter_results
 from pagedinfer.kernels.norm_epilogue import add_prenorm, rstd_linear
 
 
@@ -120,16 +119,5 @@ def run_case(case: EpilogueCase, dtype: torch.dtype, device: str, seed: int = 0,
     }
 
 
-def main(argv: list[str]) -> int:
-    results = [
-        run_case(case, dtype, "cpu", seed=i)
-        for i, case in enumerate(INTERPRETER_CASES)
-        for dtype in INTERPRETER_DTYPES
-    ]
-    with open(argv[0], "w") as f:
-        json.dump(results, f, indent=1)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    write_interpreter_results(sys.argv[1], run_case, INTERPRETER_CASES, INTERPRETER_DTYPES)

@@ -12,7 +12,6 @@ TRITON_INTERPRET=1 in its environment) and writes one result per case and dtype.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 from pagedinfer.kernels import fused_reference
 from pagedinfer.kernels.gemv import GemvConfig
-from pagedinfer.kernels.gemv_testing import TOLERANCE
+from pagedinfer.kernels.gemv_testing import TOLERANCE, write_interpreter_results
 from pagedinfer.kernels.norm_gemv import add_norm_gemv
 
 
@@ -86,16 +85,5 @@ def run_case(case: NormGemvCase, dtype: torch.dtype, device: str, seed: int = 0,
     }
 
 
-def main(argv: list[str]) -> int:
-    results = [
-        run_case(case, dtype, "cpu", seed=i)
-        for i, case in enumerate(INTERPRETER_CASES)
-        for dtype in INTERPRETER_DTYPES
-    ]
-    with open(argv[0], "w") as f:
-        json.dump(results, f, indent=1)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    write_interpreter_results(sys.argv[1], run_case, INTERPRETER_CASES, INTERPRETER_DTYPES)

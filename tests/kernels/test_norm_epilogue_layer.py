@@ -12,11 +12,11 @@ exceed it. Run as a subprocess: the interpreter must be on before triton is impo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.kernels.interpreter_run import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -125,15 +125,7 @@ def _run(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("norm_epilogue_layer") / "results.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDINFER_")}
-    env["TRITON_INTERPRET"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, *sys.path])
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, cwd=root, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_interpreted("tests.kernels.test_norm_epilogue_layer", out, without_switches=True)
 
 
 def test_the_epilogues_carry_every_norm_but_the_first_and_the_last(results):
@@ -156,5 +148,4 @@ def test_a_wrong_norm_weight_in_an_epilogue_fails_the_comparison(results):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     _run(sys.argv[1])

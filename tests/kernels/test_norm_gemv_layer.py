@@ -13,11 +13,11 @@ the step runs in a subprocess: this file run as a script. Results come back as J
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.kernels.interpreter_run import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -180,13 +180,7 @@ def _run(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("norm_gemv_layer") / "results.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDINFER_")}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_interpreted("tests.kernels.test_norm_gemv_layer", out, without_switches=True)
 
 
 def test_the_folded_kernel_ran_for_every_norm_of_the_layers(results):
