@@ -77,19 +77,22 @@ CONFIGS = [
     GemvConfig("dot", 16, 512, 4, 2),
     GemvConfig("dot", 32, 512, 4, 2),
     GemvConfig("dot", 16, 1024, 4, 1),
-    # the fma candidate (2-8 rows; session 21): CUDA cores, W read once for all rows
-    GemvConfig("fma", 4, 256, 4, 4),
-    GemvConfig("fma", 8, 128, 4, 4),
-    GemvConfig("fma", 8, 256, 4, 3),
-    GemvConfig("fma", 16, 128, 4, 4),
-    GemvConfig("fma", 16, 64, 4, 6),
-    GemvConfig("fma", 8, 512, 8, 3),
+    # K split over 2 or 4 accumulators (session 22): shorter dependent mma chains a program
+    GemvConfig("dot", 32, 64, 4, 4, chains=4),
+    GemvConfig("dot", 32, 32, 4, 6, chains=4),
+    GemvConfig("dot", 32, 128, 4, 4, chains=2),
+    GemvConfig("dot", 32, 128, 4, 3, chains=4),
+    GemvConfig("dot", 16, 64, 4, 4, chains=4),
+    GemvConfig("dot", 16, 128, 4, 3, chains=4),
+    GemvConfig("dot", 16, 256, 4, 3, chains=2),
+    GemvConfig("dot", 64, 64, 4, 4, chains=4),
 ]
 
 
 def name_of(config: GemvConfig) -> str:
     c = config
-    return f"{c.variant}/{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+    chains = f"/c{c.chains}" if c.chains > 1 else ""
+    return f"{c.variant}/{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{chains}"
 
 
 def time_layer(fn, weights, x, rep_ms) -> float:
@@ -142,7 +145,7 @@ def main() -> None:
             row["torch_frac_copy"] = layer_bytes / (torch_ms * 1e-3) / 1e9 / copy_gbps
             row["configs"] = {}
             for config in CONFIGS:
-                if (config.variant == "reduce" and m > 2) or (config.variant == "fma" and not 2 <= m <= 8):
+                if config.variant == "reduce" and m > 2:
                     continue
                 try:
                     out = gemv(x, weights[shape][0], None, config)

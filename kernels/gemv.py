@@ -12,10 +12,9 @@ Three variants of the same contract:
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
   cores; rows of x padded to 16), for up to 16 rows;
-- `fma`: the `reduce` variant for 2-8 rows in one pass over W: a [rows, BLOCK_N, BLOCK_K] fp32
-  tile. A candidate for small models' latency-bound layers at a verification step's few rows,
-  where `dot`'s 16-row tiles cost 3.6-5.9 us against 3.1-4.1 us for one row (bench/NOTES.md,
-  session 21); `config_for` does not route to it until bench/gemv.py has measured it.
+  `chains` > 1 splits each program's K walk over that many accumulators: a program's mma
+  instructions along K form one dependent chain (~K / 16 of them a warp), which is what a small
+  model's few-row layers wait on, not the weight bytes (bench/NOTES.md, session 22).
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -31,11 +30,12 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GemvConfig:
-    variant: str  # "reduce", "dot" or "fma"
+    variant: str  # "reduce" or "dot"
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    chains: int = 1  # dot: independent accumulators along K (1, 2 or 4)
 
 
 @triton.jit
@@ -73,6 +73,22 @@ def _gemv_reduce_kernel(
 
 
 @triton.jit
+def _dot_tile(x_ptr, w_ptr, rm, rn, k0, K, stride_xm, stride_wn, m_mask, n_mask, acc, BLOCK_K: tl.constexpr):
+    """acc + x[rm, k0:k0+BLOCK_K] @ W[rn, k0:k0+BLOCK_K].T (masked past K)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = k < K
+    x = tl.load(
+        x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+    )
+    w = tl.load(
+        w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
+        mask=n_mask[None, :] & k_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
+    return tl.dot(x, w, acc)
+
+
+@triton.jit
 def dot_rows(
     x_ptr,
     w_ptr,
@@ -86,29 +102,39 @@ def dot_rows(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHAINS: tl.constexpr,
 ):
     """[BLOCK_M, BLOCK_N] fp32: rows rm of x [M, K] times rows rn of W [N, K], transposed.
 
     The `dot` variant's loop, shared with kernels/norm_epilogue.py. x is loaded as it is and fed to
     the tensor cores: an elementwise op on it inside the loop (normalizing, scaling by the norm
     weight, summing squares) cost 1.5-3x the loop's time on the H100 (bench/NOTES.md, session 21).
+    CHAINS consecutive K tiles go to separate accumulators (summed at the end), so that their mma
+    instructions do not wait on each other.
     """
-    rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_mask = k < K
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        w = tl.load(
-            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
-            mask=n_mask[None, :] & k_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
-        acc = tl.dot(x, w, acc)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K * CHAINS):
+        acc = _dot_tile(x_ptr, w_ptr, rm, rn, k0, K, stride_xm, stride_wn, m_mask, n_mask, acc, BLOCK_K)
+        if CHAINS >= 2:
+            acc1 = _dot_tile(
+                x_ptr, w_ptr, rm, rn, k0 + BLOCK_K, K, stride_xm, stride_wn, m_mask, n_mask, acc1, BLOCK_K
+            )
+        if CHAINS >= 4:
+            acc2 = _dot_tile(
+                x_ptr, w_ptr, rm, rn, k0 + 2 * BLOCK_K, K, stride_xm, stride_wn, m_mask, n_mask, acc2, BLOCK_K
+            )
+            acc3 = _dot_tile(
+                x_ptr, w_ptr, rm, rn, k0 + 3 * BLOCK_K, K, stride_xm, stride_wn, m_mask, n_mask, acc3, BLOCK_K
+            )
+    if CHAINS >= 2:
+        acc += acc1
+    if CHAINS >= 4:
+        acc += acc2 + acc3
     return acc
 
 
@@ -128,12 +154,13 @@ def _gemv_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHAINS: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K, CHAINS)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -143,50 +170,7 @@ def _gemv_dot_kernel(
     )
 
 
-@triton.jit
-def _gemv_fma_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
-    n_mask = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_mask = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        y.to(y_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
-
-
 MAX_ROWS = 64  # the dot variant's row tile is the rows padded to 16, 32 or 64
-FMA_MAX_ROWS = 8  # the fma variant's [rows, BLOCK_N, BLOCK_K] accumulator lives in registers
 
 # From the H200 sweep of bench/gemv.py (2026-12-03, NOTES.md "Small-batch linear layers"): at one
 # row, few output rows (N <= 4096: 256 programs) want long K tiles and 8 warps, mid-size N short
@@ -218,8 +202,8 @@ def gemv(
         )
     if num_rows > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}")
-    if config.variant == "fma" and num_rows > FMA_MAX_ROWS:
-        raise ValueError(f"the fma variant takes at most {FMA_MAX_ROWS} rows, got {num_rows}")
+    if config.chains not in (1, 2, 4):
+        raise ValueError(f"a dot config has 1, 2 or 4 chains, got {config.chains}")
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
@@ -244,9 +228,9 @@ def gemv(
         y.stride(0),
     )
     if config.variant == "dot":
-        _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
-    elif config.variant == "fma":
-        _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(num_rows), **common)
+        _gemv_dot_kernel[grid](
+            *args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), CHAINS=config.chains, **common
+        )
     else:
         _gemv_reduce_kernel[grid](*args, **common)
     return y
