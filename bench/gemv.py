@@ -77,22 +77,12 @@ CONFIGS = [
     GemvConfig("dot", 16, 512, 4, 2),
     GemvConfig("dot", 32, 512, 4, 2),
     GemvConfig("dot", 16, 1024, 4, 1),
-    # K split over 2 or 4 accumulators (session 22): shorter dependent mma chains a program
-    GemvConfig("dot", 32, 64, 4, 4, chains=4),
-    GemvConfig("dot", 32, 32, 4, 6, chains=4),
-    GemvConfig("dot", 32, 128, 4, 4, chains=2),
-    GemvConfig("dot", 32, 128, 4, 3, chains=4),
-    GemvConfig("dot", 16, 64, 4, 4, chains=4),
-    GemvConfig("dot", 16, 128, 4, 3, chains=4),
-    GemvConfig("dot", 16, 256, 4, 3, chains=2),
-    GemvConfig("dot", 64, 64, 4, 4, chains=4),
 ]
 
 
 def name_of(config: GemvConfig) -> str:
     c = config
-    chains = f"/c{c.chains}" if c.chains > 1 else ""
-    return f"{c.variant}/{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{chains}"
+    return f"{c.variant}/{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
 
 
 def time_layer(fn, weights, x, rep_ms) -> float:

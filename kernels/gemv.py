@@ -7,14 +7,11 @@ bandwidth). These kernels give each program BLOCK_N weight rows and walk K in BL
 the compiler pipelines (num_stages copies in flight); there is no split-K, so there is no second
 kernel and no atomics, and the result is deterministic.
 
-Three variants of the same contract:
+Two variants of the same contract:
 - `reduce`: multiply-and-accumulate into a [BLOCK_N, BLOCK_K] fp32 tile, one reduction at the end
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
   cores; rows of x padded to 16), for up to 16 rows;
-  `chains` > 1 splits each program's K walk over that many accumulators: a program's mma
-  instructions along K form one dependent chain (~K / 16 of them a warp), which is what a small
-  model's few-row layers wait on, not the weight bytes (bench/NOTES.md, session 22).
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -35,7 +32,6 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    chains: int = 1  # dot: independent accumulators along K (1, 2 or 4)
 
 
 @triton.jit
@@ -73,22 +69,6 @@ def _gemv_reduce_kernel(
 
 
 @triton.jit
-def _dot_tile(x_ptr, w_ptr, rm, rn, k0, K, stride_xm, stride_wn, m_mask, n_mask, acc, BLOCK_K: tl.constexpr):
-    """acc + x[rm, k0:k0+BLOCK_K] @ W[rn, k0:k0+BLOCK_K].T (masked past K)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = k < K
-    x = tl.load(
-        x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
-    )
-    w = tl.load(
-        w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
-        mask=n_mask[None, :] & k_mask[:, None],
-        other=0.0,
-    )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
-    return tl.dot(x, w, acc)
-
-
-@triton.jit
 def dot_rows(
     x_ptr,
     w_ptr,
@@ -102,39 +82,29 @@ def dot_rows(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    CHAINS: tl.constexpr,
 ):
     """[BLOCK_M, BLOCK_N] fp32: rows rm of x [M, K] times rows rn of W [N, K], transposed.
 
     The `dot` variant's loop, shared with kernels/norm_epilogue.py. x is loaded as it is and fed to
     the tensor cores: an elementwise op on it inside the loop (normalizing, scaling by the norm
     weight, summing squares) cost 1.5-3x the loop's time on the H100 (bench/NOTES.md, session 21).
-    CHAINS consecutive K tiles go to separate accumulators (summed at the end), so that their mma
-    instructions do not wait on each other.
     """
+    rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K * CHAINS):
-        acc = _dot_tile(x_ptr, w_ptr, rm, rn, k0, K, stride_xm, stride_wn, m_mask, n_mask, acc, BLOCK_K)
-        if CHAINS >= 2:
-            acc1 = _dot_tile(
-                x_ptr, w_ptr, rm, rn, k0 + BLOCK_K, K, stride_xm, stride_wn, m_mask, n_mask, acc1, BLOCK_K
-            )
-        if CHAINS >= 4:
-            acc2 = _dot_tile(
-                x_ptr, w_ptr, rm, rn, k0 + 2 * BLOCK_K, K, stride_xm, stride_wn, m_mask, n_mask, acc2, BLOCK_K
-            )
-            acc3 = _dot_tile(
-                x_ptr, w_ptr, rm, rn, k0 + 3 * BLOCK_K, K, stride_xm, stride_wn, m_mask, n_mask, acc3, BLOCK_K
-            )
-    if CHAINS >= 2:
-        acc += acc1
-    if CHAINS >= 4:
-        acc += acc2 + acc3
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_mask = k < K
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + k[:, None],
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]: W's tile, transposed by the addressing
+        acc = tl.dot(x, w, acc)
     return acc
 
 
@@ -154,13 +124,12 @@ def _gemv_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    CHAINS: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K, CHAINS)
+    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -202,8 +171,6 @@ def gemv(
         )
     if num_rows > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}")
-    if config.chains not in (1, 2, 4):
-        raise ValueError(f"a dot config has 1, 2 or 4 chains, got {config.chains}")
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
@@ -228,9 +195,7 @@ def gemv(
         y.stride(0),
     )
     if config.variant == "dot":
-        _gemv_dot_kernel[grid](
-            *args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), CHAINS=config.chains, **common
-        )
+        _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
     else:
         _gemv_reduce_kernel[grid](*args, **common)
     return y

@@ -46,10 +46,6 @@ INTERPRETER_CASES = [
     # 17-64 rows (a verification batch: B x (K + 1)): 32- and 64-row tiles
     GemvCase("dot_24rows", GemvConfig("dot", 32, 64, 4, 2), 24, 50, 130, bias=True),
     GemvCase("dot_64rows", GemvConfig("dot", 16, 64, 4, 2), 64, 33, 96, row_pad=3),
-    # K over 2 or 4 accumulators: K tails that end in each chain, all-masked tiles past K.
-    GemvCase("dot_2chains_edges_bias", GemvConfig("dot", 16, 32, 4, 2, chains=2), 5, 37, 75, bias=True),
-    GemvCase("dot_4chains_strided", GemvConfig("dot", 16, 16, 4, 2, chains=4), 3, 24, 130, row_pad=6),
-    GemvCase("dot_4chains_short_k", GemvConfig("dot", 32, 16, 4, 2, chains=4), 8, 40, 40),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

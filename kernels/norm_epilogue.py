@@ -48,7 +48,6 @@ def _add_prenorm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    CHAINS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = h_ptr.dtype.element_ty
@@ -61,7 +60,7 @@ def _add_prenorm_kernel(
     # (chains 1-2% faster than loading after the loop: bench/NOTES.md, session 21).
     r = tl.load(residual_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mn_mask, other=0.0)
     g = tl.load(norm_w_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K, CHAINS)
+    acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     # The two-step path's rounding: the GEMV's output in the dtype, then x + residual rounded.
     h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
     out = rm[:, None] * N + rn[None, :]
@@ -90,7 +89,6 @@ def _rstd_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    CHAINS: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,7 +98,7 @@ def _rstd_linear_kernel(
     parts = tl.load(  # before the weight stream, as in _add_prenorm_kernel
         partials_ptr + rp[:, None] * BLOCK_M + rm[None, :], mask=(rp < P)[:, None], other=0.0
     )
-    acc = dot_rows(u_ptr, w_ptr, rm, rn, K, stride_um, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K, CHAINS)
+    acc = dot_rows(u_ptr, w_ptr, rm, rn, K, stride_um, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(parts, axis=0) / K + eps))  # as the norm kernel
     acc *= rstd[:, None]
     if HAS_BIAS:
@@ -153,7 +151,6 @@ def add_prenorm(
         BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        CHAINS=config.chains,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -191,7 +188,6 @@ def rstd_linear(
         BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        CHAINS=config.chains,
         BLOCK_P=triton.next_power_of_2(num_partials),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -47,7 +47,6 @@ INTERPRETER_CASES = [
     EpilogueCase("rows5_edges_bias", _DOT, 5, 75, 72, 37, bias=True),  # 5 programs of partials
     EpilogueCase("rows2_strided_residual", _DOT, 2, 64, 48, 40, residual_pad=9),
     EpilogueCase("rows16_wide_tiles", GemvConfig("dot", 32, 64, 4, 2), 16, 130, 96, 40),
-    EpilogueCase("rows3_4chains", GemvConfig("dot", 16, 16, 4, 2, chains=4), 3, 75, 72, 37, bias=True),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

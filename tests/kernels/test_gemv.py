@@ -64,32 +64,6 @@ def test_engine_configs_at_full_shapes(dtype, rows, n, k):
     assert float((layer.double() - ref).norm() / ref.norm()) <= TOLERANCE[dtype]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [2, 5, 8, 16])
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 576), (4096, 4096)])
-@pytest.mark.parametrize("block_n,block_k,stages,chains", [(32, 64, 4, 4), (32, 128, 4, 2), (16, 128, 3, 4)])
-def test_dot_chains_at_full_shapes(rows, n, k, block_n, block_k, stages, chains):
-    # K split over accumulators, at SmolLM2's and the 8B's shapes (the sweep's candidates).
-    from pagedinfer.kernels import gemv
-
-    gen = torch.Generator(device="cuda").manual_seed(rows + n + block_k)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5).to(torch.bfloat16)
-    out = gemv.gemv(x, w, None, gemv.GemvConfig("dot", block_n, block_k, 4, stages, chains=chains))
-    ref = F.linear(x.double(), w.double())
-    assert float((out.double() - ref).norm() / ref.norm()) <= TOLERANCE[torch.bfloat16]
-
-
-def test_a_dot_config_takes_1_2_or_4_chains():
-    from pagedinfer.kernels import gemv
-
-    with pytest.raises(ValueError, match="1, 2 or 4 chains"):
-        gemv.gemv(
-            torch.randn(2, 32), torch.randn(8, 32), None, gemv.GemvConfig("dot", 16, 32, 4, 2, chains=3)
-        )
-
-
 def test_a_config_that_does_not_fit_the_gpu_falls_back_to_torch(monkeypatch, caplog):
     # A GPU with less shared memory than the H200 the tiles were sized on: the kernel raises
     # OutOfResources at load time; the layer must answer with torch's GEMM, and stop retrying.
