@@ -12,6 +12,9 @@ Two variants of the same contract:
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
   cores; rows of x padded to 16), for up to 16 rows;
+- `rows`: the whole of K in one [BLOCK_N, BLOCK_K] weight tile (K <= BLOCK_K), then each of the
+  2-8 rows of x against it in turn on CUDA cores (a candidate for small models' few-row layers,
+  where a dot GEMV costs ~0.7 us more than a one-row reduce GEMV: bench/NOTES.md, session 22);
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -27,7 +30,7 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GemvConfig:
-    variant: str  # "reduce" or "dot"
+    variant: str  # "reduce", "dot" or "rows"
     block_n: int
     block_k: int
     num_warps: int
@@ -139,6 +142,44 @@ def _gemv_dot_kernel(
     )
 
 
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    k_mask = k < K
+    # one load of the weight tile (one DRAM round trip), every row of x against it
+    w = tl.load(
+        w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :]
+    )
+    w = w.to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    for m in tl.static_range(ROWS):
+        x = tl.load(x_ptr + m * stride_xm + k, mask=k_mask, other=0.0).to(tl.float32)
+        y = tl.sum(w * x[None, :], axis=1)
+        if HAS_BIAS:
+            y += b
+        tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+ROWS_MAX_ROWS = 8  # the rows variant unrolls its row loop
+
 MAX_ROWS = 64  # the dot variant's row tile is the rows padded to 16, 32 or 64
 
 # From the H200 sweep of bench/gemv.py (2026-12-03, NOTES.md "Small-batch linear layers"): at one
@@ -171,6 +212,11 @@ def gemv(
         )
     if num_rows > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}")
+    if config.variant == "rows" and (num_rows > ROWS_MAX_ROWS or k > config.block_k):
+        raise ValueError(
+            f"the rows variant takes at most {ROWS_MAX_ROWS} rows and K <= block_k, got {num_rows} rows, "
+            f"K {k}, block_k {config.block_k}"
+        )
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
@@ -196,6 +242,8 @@ def gemv(
     )
     if config.variant == "dot":
         _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
+    elif config.variant == "rows":
+        _gemv_rows_kernel[grid](*args, ROWS=num_rows, **common)
     else:
         _gemv_reduce_kernel[grid](*args, **common)
     return y
