@@ -12,9 +12,6 @@ Two variants of the same contract:
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
   cores; rows of x padded to 16), for up to 16 rows;
-- `rows`: the whole of K in one [BLOCK_N, BLOCK_K] weight tile (K <= BLOCK_K), then each of the
-  2-8 rows of x against it in turn on CUDA cores (a candidate for small models' few-row layers,
-  where a dot GEMV costs ~0.7 us more than a one-row reduce GEMV: bench/NOTES.md, session 22);
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -30,7 +27,7 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GemvConfig:
-    variant: str  # "reduce", "dot" or "rows"
+    variant: str  # "reduce" or "dot"
     block_n: int
     block_k: int
     num_warps: int
@@ -142,44 +139,6 @@ def _gemv_dot_kernel(
     )
 
 
-@triton.jit
-def _gemv_rows_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    k_mask = k < K
-    # one load of the weight tile (one DRAM round trip), every row of x against it
-    w = tl.load(
-        w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :]
-    )
-    w = w.to(tl.float32)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    for m in tl.static_range(ROWS):
-        x = tl.load(x_ptr + m * stride_xm + k, mask=k_mask, other=0.0).to(tl.float32)
-        y = tl.sum(w * x[None, :], axis=1)
-        if HAS_BIAS:
-            y += b
-        tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-ROWS_MAX_ROWS = 8  # the rows variant unrolls its row loop
-
 MAX_ROWS = 64  # the dot variant's row tile is the rows padded to 16, 32 or 64
 
 # From the H200 sweep of bench/gemv.py (2026-12-03, NOTES.md "Small-batch linear layers"): at one
@@ -195,6 +154,12 @@ DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=128, num_warps=4, num_stages=
 # tiles (down 32.6 -> 31.8 us); qkv and o keep DOT_CONFIG.
 WIDE_DOT_CONFIG = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages=3)
 LONG_K_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=512, num_warps=4, num_stages=3)
+# 2-16 rows of a small model (K <= 2048: SmolLM2's 576 and 1536), from the H100 sweep of
+# 2026-12-05 18:33 (NOTES.md, session 22): its layers are latency-bound (0.06-0.6 of the copy
+# bandwidth), and two warps on 16-wide tiles start sooner: qkv, o and down at 5-7 rows 3.78 / 3.54
+# / 4.76 us against DOT_CONFIG's 3.87 / 3.63 / 5.37; the LM head (49152 x 576) 31.5 vs 33.4 us.
+SMALL_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=256, num_warps=2, num_stages=4)
+SMALL_VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=128, num_warps=2, num_stages=6)
 DEFAULT_CONFIG = WIDE_CONFIG
 
 
@@ -212,11 +177,6 @@ def gemv(
         )
     if num_rows > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}")
-    if config.variant == "rows" and (num_rows > ROWS_MAX_ROWS or k > config.block_k):
-        raise ValueError(
-            f"the rows variant takes at most {ROWS_MAX_ROWS} rows and K <= block_k, got {num_rows} rows, "
-            f"K {k}, block_k {config.block_k}"
-        )
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
@@ -242,8 +202,6 @@ def gemv(
     )
     if config.variant == "dot":
         _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
-    elif config.variant == "rows":
-        _gemv_rows_kernel[grid](*args, ROWS=num_rows, **common)
     else:
         _gemv_reduce_kernel[grid](*args, **common)
     return y
@@ -269,6 +227,10 @@ def config_for(num_rows: int, n: int, k: int) -> GemvConfig | None:
             return DOT_CONFIG if num_rows > 32 else None
         return DOT_CONFIG if n <= 4096 else None
     if num_rows > 1:  # the tensor-core variant reads the weights once for all rows
+        if k <= 2048:
+            if n > 8192:
+                return SMALL_VOCAB_DOT_CONFIG
+            return SMALL_DOT_CONFIG if n <= 2048 else DOT_CONFIG
         if k > 8192:  # 64 x 512 x tiles at 3 stages would exceed the H200's shared memory
             return LONG_K_DOT_CONFIG if num_rows <= 16 else DOT_CONFIG
         return WIDE_DOT_CONFIG if n > 8192 else DOT_CONFIG

@@ -43,13 +43,10 @@ INTERPRETER_CASES = [
     # The engine's wide-N and long-K tiles (gemv.config_for at 2-16 rows), masked edges on both.
     GemvCase("dot_wide_tile", GemvConfig("dot", 64, 256, 4, 3), 3, 70, 300),
     GemvCase("dot_long_k_tile", GemvConfig("dot", 32, 512, 4, 3), 4, 40, 600),
+    GemvCase("dot_small_model_tile", GemvConfig("dot", 16, 256, 2, 4), 5, 37, 300, bias=True),
     # 17-64 rows (a verification batch: B x (K + 1)): 32- and 64-row tiles
     GemvCase("dot_24rows", GemvConfig("dot", 32, 64, 4, 2), 24, 50, 130, bias=True),
     GemvCase("dot_64rows", GemvConfig("dot", 16, 64, 4, 2), 64, 33, 96, row_pad=3),
-    # the rows variant: K in one tile (masked past K), 2-8 rows, strided rows
-    GemvCase("rows_5rows_edges_bias", GemvConfig("rows", 16, 128, 4, 1), 5, 37, 75, bias=True),
-    GemvCase("rows_2rows_strided", GemvConfig("rows", 8, 256, 4, 1), 2, 24, 130, row_pad=6),
-    GemvCase("rows_8rows", GemvConfig("rows", 32, 64, 4, 1), 8, 40, 64),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
