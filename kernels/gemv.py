@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedinfer.kernels.linear_ops import SMALL_MODEL_MAX_K  # (no Triton there)
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -219,15 +221,19 @@ def config_for(num_rows: int, n: int, k: int) -> GemvConfig | None:
     """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes), or
     None where torch's GEMM measured faster (some shapes at 17-64 rows)."""
     if num_rows > 16:
+        if k <= SMALL_MODEL_MAX_K:
+            # a small model's batch-8 verification (40-56 rows): the kernel, so that the norm
+            # epilogues apply (linear_ops.uses_norm_epilogue) and no norm kernel runs (session 22)
+            return DOT_CONFIG
         if k < 4096:
-            return None  # (measured at the 8B shapes only: smaller models keep torch's GEMM here)
+            return None  # (measured at the 8B shapes only: mid-size models keep torch's GEMM here)
         if n > 32768:
             return VOCAB_DOT_CONFIG
         if k > 8192:
             return DOT_CONFIG if num_rows > 32 else None
         return DOT_CONFIG if n <= 4096 else None
     if num_rows > 1:  # the tensor-core variant reads the weights once for all rows
-        if k <= 2048:
+        if k <= SMALL_MODEL_MAX_K:
             if n > 8192:
                 return SMALL_VOCAB_DOT_CONFIG
             return SMALL_DOT_CONFIG if n <= 2048 else DOT_CONFIG

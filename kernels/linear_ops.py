@@ -4,8 +4,8 @@ A decode step of a few tokens reads every weight once for a few multiply-adds pe
 `kernels/gemv.py` streams the weights closer to the copy bandwidth than torch's GEMM (measured in
 bench/gemv.py). Everything else (prefill, large batches, the CPU, fp32/fp64) is `F.linear`.
 `norm_linear` is the same with the RMSNorm before it (and its residual add) folded into one kernel
-at one row (kernels/norm_gemv.py), the fused norm and `linear` otherwise. At 2-16 rows in bf16
-`linear_residual` (o_proj, down) computes the next norm's statistics in its epilogue and
+at one row (kernels/norm_gemv.py), the fused norm and `linear` otherwise. At 2-16 rows in bf16 (up to
+64 for a small model) `linear_residual` (o_proj, down) computes the next norm's statistics in its epilogue and
 `norm_linear` applies them in its GEMV's epilogue (kernels/norm_epilogue.py): no norm kernel.
 Checks look at shapes and dtypes only, so a launch inside CUDA-graph capture never synchronizes.
 """
@@ -36,13 +36,19 @@ NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
 NORM_EPILOGUE_ENABLED = os.environ.get("PAGEDINFER_NORM_EPILOGUE", "1") != "0"
 # fp16 would overflow on h * g before the norm scales it (kernels/norm_epilogue.py).
 NORM_EPILOGUE_DTYPES = (torch.bfloat16,)
-NORM_EPILOGUE_MAX_ROWS = 16  # norm_epilogue.MAX_ROWS
+NORM_EPILOGUE_MAX_ROWS = 64  # norm_epilogue.MAX_ROWS
+# Past 16 rows only where the block's output width (the next GEMV's K) is a small model's: every
+# K up to SMALL_MODEL_MAX_K has a dot config at 2-64 rows, so the next norm_linear finishes
+# the norm in its kernel (at 17-64 rows larger models' qkv and gate_up run torch's GEMM).
+NORM_EPILOGUE_WIDE_MAX_ROWS = 16
+SMALL_MODEL_MAX_K = 2048  # gemv.config_for's small-model rules apply up to this K
 
 
 @dataclass
 class Prenormed:
     """A block output whose next RMSNorm is half done (kernels/norm_epilogue.py): h [M, K] the
-    residual stream, u = h * g [M, K] (g that norm's weight), partial sums of h^2 [programs, 16]."""
+    residual stream, u = h * g [M, K] (g that norm's weight), partial sums of h^2 [programs, R]
+    (R: M rounded up to 16, 32 or 64)."""
 
     h: torch.Tensor
     u: torch.Tensor
@@ -151,18 +157,20 @@ def uses_norm_gemv(
 def uses_norm_epilogue(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, backend=None
 ) -> bool:
-    """x @ weight.T + residual with the next norm's statistics in the epilogue: 2-16 rows of a
-    NORM_EPILOGUE_DTYPES dtype on the GEMV path, operands on one device in one dtype."""
+    """x @ weight.T + residual with the next norm's statistics in the epilogue: 2-16 rows (up to
+    64 for an output width of at most SMALL_MODEL_MAX_K) of a NORM_EPILOGUE_DTYPES dtype on the
+    GEMV path, operands on one device in one dtype."""
+    n = weight.shape[0]
+    max_rows = NORM_EPILOGUE_MAX_ROWS if n <= SMALL_MODEL_MAX_K else NORM_EPILOGUE_WIDE_MAX_ROWS
     if not (
         NORM_EPILOGUE_ENABLED
         and fused_ops.FUSED_KERNELS_ENABLED
         and x.dim() == 2
-        and 2 <= x.shape[0] <= NORM_EPILOGUE_MAX_ROWS
+        and 2 <= x.shape[0] <= max_rows
         and x.dtype in NORM_EPILOGUE_DTYPES
         and uses_gemv(x, weight, backend)
     ):
         return False
-    n = weight.shape[0]
     return (
         weight.device == x.device
         and tuple(residual.shape) == (x.shape[0], n)

@@ -1,13 +1,14 @@
-"""Triton kernels: the RMSNorm between two GEMVs carried by their epilogues (2-16 rows, bf16).
+"""Triton kernels: the RMSNorm between two GEMVs carried by their epilogues (2-64 rows, bf16).
 
-A verification step of a few tokens a sequence runs each decoder layer's GEMVs at 2-16 rows, and
+A verification step of a few tokens a sequence runs each decoder layer's GEMVs at 2-64 rows, and
 in front of qkv and gate_up sits an RMSNorm: a kernel of its own (~1.6 us in a graph at SmolLM2's
 shapes), 60 a step. Folding it into the next GEMV's loop is slower than the launch it saves (the
 tensor cores want x as loaded: bench/NOTES.md, session 21). Here nothing touches x inside a loop:
 
 - `add_prenorm` (o_proj, down: the GEMV before a norm): y = x @ W.T, then in its epilogue
   h = y + residual (rounded as torch rounds the two-step add), u = h * g (g the next norm's weight)
-  and, per program, the sum of h^2 over its N tile for each row: partials [programs, 16] fp32.
+  and, per program, the sum of h^2 over its N tile for each row: partials [programs, BLOCK_M] fp32
+  (BLOCK_M the rows rounded up to 16, 32 or 64).
 - `rstd_linear` (qkv, gate_up: the GEMV after it): acc = u @ W.T with u loaded as it is; in its
   epilogue each row's sum of squares from the partials (a fixed order: deterministic) gives
   rstd, y = acc * rstd (+ bias).
@@ -110,6 +111,11 @@ def _rstd_linear_kernel(
     )
 
 
+def block_rows(rows: int) -> int:
+    """The kernels' row tile (tl.dot wants at least 16), and the partials' row stride."""
+    return max(16, triton.next_power_of_2(rows))
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> None:
     rows, k = x.shape
     if not (0 < rows <= MAX_ROWS and config.variant == "dot" and weight.shape[1] == k):
@@ -133,7 +139,7 @@ def add_prenorm(
     programs = triton.cdiv(n, config.block_n)
     h = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     u = torch.empty_like(h)
-    partials = torch.empty((programs, MAX_ROWS), dtype=torch.float32, device=x.device)
+    partials = torch.empty((programs, block_rows(rows)), dtype=torch.float32, device=x.device)
     _add_prenorm_kernel[(programs,)](
         x,
         weight,
@@ -148,7 +154,7 @@ def add_prenorm(
         x.stride(0),
         weight.stride(0),
         residual.stride(0),
-        BLOCK_M=MAX_ROWS,
+        BLOCK_M=block_rows(rows),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
@@ -171,6 +177,8 @@ def rstd_linear(
     n = weight.shape[0]
     y = torch.empty((rows, n), dtype=u.dtype, device=u.device)
     num_partials = pre.partials.shape[0]
+    if pre.partials.shape[1] != block_rows(rows):
+        raise ValueError(f"partials {tuple(pre.partials.shape)} are not those of {rows} rows")
     _rstd_linear_kernel[(triton.cdiv(n, config.block_n),)](
         u,
         weight,
@@ -185,7 +193,7 @@ def rstd_linear(
         weight.stride(0),
         float(eps),
         HAS_BIAS=bias is not None,
-        BLOCK_M=MAX_ROWS,
+        BLOCK_M=block_rows(rows),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_P=triton.next_power_of_2(num_partials),

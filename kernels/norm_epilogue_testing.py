@@ -47,6 +47,7 @@ INTERPRETER_CASES = [
     EpilogueCase("rows5_edges_bias", _DOT, 5, 75, 72, 37, bias=True),  # 5 programs of partials
     EpilogueCase("rows2_strided_residual", _DOT, 2, 64, 48, 40, residual_pad=9),
     EpilogueCase("rows16_wide_tiles", GemvConfig("dot", 32, 64, 4, 2), 16, 130, 96, 40),
+    EpilogueCase("rows40_64row_tile", _DOT, 40, 75, 72, 37, bias=True),  # a batch-8 verification
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

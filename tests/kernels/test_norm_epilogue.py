@@ -86,22 +86,40 @@ def test_the_check_catches_a_residual_add_that_skips_torchs_rounding():
     assert not result["ok"] and result["h_rel"] <= 2e-3, result  # caught by the bit count only
 
 
-def test_dispatch_takes_2_to_16_bf16_rows_on_triton_only():
+def test_dispatch_takes_2_to_64_bf16_rows_of_a_small_model_on_triton_only():
     enabled = linear_ops.NORM_EPILOGUE_ENABLED and linear_ops.GEMV_ENABLED and fused_ops.FUSED_KERNELS_ENABLED
     w, g = torch.randn(24, 32).bfloat16(), torch.rand(24).bfloat16()
 
-    def uses(rows, dtype=torch.bfloat16, backend="triton", norm=g, residual_cols=24):
+    def uses(rows, dtype=torch.bfloat16, backend="triton", norm=g, residual_cols=24, weight=w):
         x = torch.randn(rows, 32).to(dtype)
         r = torch.randn(rows, residual_cols).to(dtype)
-        return linear_ops.uses_norm_epilogue(x, w.to(dtype), r, norm.to(dtype), backend)
+        return linear_ops.uses_norm_epilogue(x, weight.to(dtype), r, norm.to(dtype), backend)
 
     assert not uses(5, backend=None)  # the CPU: the reference backend
-    for rows in (2, 5, 16):
-        assert uses(rows) == enabled
-    assert not uses(1) and not uses(17)  # one row has its own fold; past 16 the norm kernel
+    for rows in (2, 5, 16, 17, 40, 64):
+        assert uses(rows) == (enabled and rows <= linear_ops.GEMV_MAX_ROWS)
+    assert not uses(1) and not uses(65)  # one row has its own fold; past 64 the norm kernel
     assert not uses(5, torch.float16)  # h * g could overflow fp16
     assert not uses(5, norm=g[:16])  # a norm of another width
     assert not uses(5, residual_cols=16)  # a residual of another shape
+    # A wide block output (the next GEMV's K past a small model's): 16 rows at most, since at
+    # 17-64 rows the next GEMV may run torch's GEMM, which cannot finish the norm.
+    wide = linear_ops.SMALL_MODEL_MAX_K + 8
+    w_wide, g_wide = torch.randn(wide, 32).bfloat16(), torch.rand(wide).bfloat16()
+    assert uses(16, norm=g_wide, residual_cols=wide, weight=w_wide) == enabled
+    assert not uses(17, norm=g_wide, residual_cols=wide, weight=w_wide)
+
+
+def test_every_small_model_k_has_a_dot_config_at_2_to_64_rows():
+    # What the dispatch above relies on: the next GEMV (K = this block's output width) takes a
+    # dot config, so its epilogue can finish the norm.
+    from pagedinfer.kernels import gemv
+
+    for rows in (2, 16, 17, 40, 64):
+        for k in (64, 576, 1536, linear_ops.SMALL_MODEL_MAX_K):
+            for n in (64, 960, 3072, 49152, 128256):
+                config = gemv.config_for(rows, n, k)
+                assert config is not None and config.variant == "dot", (rows, n, k, config)
 
 
 def test_the_cpu_path_is_the_plain_linear_and_leaves_the_residual_alone():
@@ -125,15 +143,24 @@ def test_the_torch_fallback_finishes_the_norm_like_the_two_step_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [2, 5, 16])
 @pytest.mark.parametrize(
-    "k_in,hidden,n_out,bias",
+    "rows,k_in,hidden,n_out,bias",
     [
-        (576, 576, 960, False),  # SmolLM2 o_proj -> qkv
-        (1536, 576, 3072, False),  # SmolLM2 down -> gate_up
-        (896, 896, 1152, True),  # Qwen2-0.5B o_proj -> qkv (bias)
-        (4096, 4096, 6144, False),  # 8B o_proj -> qkv
-        (14336, 4096, 28672, False),  # 8B down -> gate_up
+        (rows, *shape)
+        for rows in (2, 5, 16, 40, 64)
+        for shape in (
+            (576, 576, 960, False),  # SmolLM2 o_proj -> qkv
+            (1536, 576, 3072, False),  # SmolLM2 down -> gate_up
+            (896, 896, 1152, True),  # Qwen2-0.5B o_proj -> qkv (bias)
+        )
+    ]
+    + [
+        (rows, *shape)
+        for rows in (2, 5, 16)  # (past 16 rows the 8B keeps the norm kernel)
+        for shape in (
+            (4096, 4096, 6144, False),  # 8B o_proj -> qkv
+            (14336, 4096, 28672, False),  # 8B down -> gate_up
+        )
     ],
 )
 def test_engine_configs_at_full_shapes(rows, k_in, hidden, n_out, bias):
