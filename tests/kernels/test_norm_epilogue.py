@@ -117,7 +117,7 @@ def test_every_small_model_k_has_a_dot_config_at_2_to_64_rows():
 
     for rows in (2, 16, 17, 40, 64):
         for k in (64, 576, 1536, linear_ops.SMALL_MODEL_MAX_K):
-            for n in (64, 960, 3072, 49152, 128256):
+            for n in (64, 960, 3072, 8192):  # (a vocabulary-wide LM head follows a norm kernel)
                 config = gemv.config_for(rows, n, k)
                 assert config is not None and config.variant == "dot", (rows, n, k, config)
 
