@@ -32,7 +32,7 @@ GEMV_ENABLED = os.environ.get("PAGEDINFER_GEMV", "1") != "0"
 GEMV_MAX_ROWS = min(int(os.environ.get("PAGEDINFER_GEMV_MAX_ROWS", "64")), 64)  # 64: gemv.MAX_ROWS
 # PAGEDINFER_NORM_GEMV=0 keeps the RMSNorm a kernel of its own before a one-row GEMV (A/B switch).
 NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
-# PAGEDINFER_NORM_EPILOGUE=0 keeps the norm kernel at 2-16 rows (the A/B switch of the benchmarks).
+# PAGEDINFER_NORM_EPILOGUE=0 keeps the norm kernel at 2-64 rows (the A/B switch of the benchmarks).
 NORM_EPILOGUE_ENABLED = os.environ.get("PAGEDINFER_NORM_EPILOGUE", "1") != "0"
 # fp16 would overflow on h * g before the norm scales it (kernels/norm_epilogue.py).
 NORM_EPILOGUE_DTYPES = (torch.bfloat16,)

@@ -31,7 +31,7 @@ IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)), residual adds fused into the norms
-    (or, at 2-16 bf16 tokens on the GPU, into o_proj's and down's epilogues)."""
+    (or, at 2-16 bf16 tokens on the GPU, 2-64 for a small model, into o_proj's and down's epilogues)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -57,7 +57,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | Prenormed, torch.Tensor | None]:
         # hidden, residual [T, hidden]; returns the block output and the running residual. Each
         # norm runs with the projection after it (one kernel at one token a step: norm_linear).
-        # At 2-16 tokens o_proj and down may carry the next norm in their epilogues instead
+        # At 2-16 tokens (2-64, small models) o_proj and down may carry the next norm in their epilogues instead
         # (linear_residual): then hidden is a Prenormed with the residual inside it, and residual
         # None. next_norm_weight is the next layer's input norm (None: leave the norm to the caller).
         backend = attn_metadata.backend  # the fused elementwise kernels follow the attention backend
