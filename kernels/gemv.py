@@ -11,7 +11,7 @@ Two variants of the same contract:
 - `reduce`: multiply-and-accumulate into a [BLOCK_N, BLOCK_K] fp32 tile, one reduction at the end
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
-  cores; rows of x padded to 16), for up to 16 rows;
+  cores; rows of x padded to 16, 32 or 64), for up to 64 rows;
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -162,6 +162,9 @@ LONG_K_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=512, num_warps=4, num_
 # / 4.76 us against DOT_CONFIG's 3.87 / 3.63 / 5.37; the LM head (49152 x 576) 31.5 vs 33.4 us.
 SMALL_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=256, num_warps=2, num_stages=4)
 SMALL_VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=128, num_warps=2, num_stages=6)
+SMALL_WIDE_ROWS_DOT_CONFIG = GemvConfig(
+    "dot", block_n=64, block_k=64, num_warps=4, num_stages=6
+)  # 17-64 rows
 DEFAULT_CONFIG = WIDE_CONFIG
 
 
@@ -218,14 +221,17 @@ VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=128, block_k=128, num_warps=4, num_
 
 
 def config_for(num_rows: int, n: int, k: int) -> GemvConfig | None:
-    """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes), or
-    None where torch's GEMM measured faster (some shapes at 17-64 rows)."""
+    """The kernel config for a shape (measured on the H200 at the Llama-3-8B layer shapes and on
+    the H100 at SmolLM2-135M's), or None where torch's GEMM measured faster (some 8B-class shapes
+    at 17-64 rows). Every K up to SMALL_MODEL_MAX_K has a dot config at 2-64 rows."""
     if num_rows > 16:
         if k <= SMALL_MODEL_MAX_K:
-            # a small model's batch-8 verification (40-56 rows): the kernel, so that the norm
-            # epilogues apply (linear_ops.uses_norm_epilogue) and no norm kernel runs (session 22);
-            # the LM head, after a norm kernel, keeps torch's GEMM (33.6 vs 43.6 us at 40 rows)
-            return None if n > 8192 else DOT_CONFIG
+            # a small model's batch-8 verification (40-56 rows): the kernel for every N, so that
+            # the norm epilogues apply (linear_ops.uses_norm_epilogue) and no norm kernel runs.
+            # SmolLM2 at 40 / 56 rows (H100, 2026-12-05 19:00): ties with torch's GEMM (4.1 / 3.8 /
+            # 4.7 / 5.5 us vs 4.2 / 3.8 / 4.8 / 5.3); its LM head on 64x64 tiles 32.0 vs 33.6
+            # (DOT_CONFIG's 32-wide tiles 43.6). Other small models' shapes are not measured.
+            return SMALL_WIDE_ROWS_DOT_CONFIG if n > 8192 else DOT_CONFIG
         if k < 4096:
             return None  # (measured at the 8B shapes only: mid-size models keep torch's GEMM here)
         if n > 32768:

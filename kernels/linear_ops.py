@@ -37,9 +37,10 @@ NORM_EPILOGUE_ENABLED = os.environ.get("PAGEDINFER_NORM_EPILOGUE", "1") != "0"
 # fp16 would overflow on h * g before the norm scales it (kernels/norm_epilogue.py).
 NORM_EPILOGUE_DTYPES = (torch.bfloat16,)
 NORM_EPILOGUE_MAX_ROWS = 64  # norm_epilogue.MAX_ROWS
-# Past 16 rows only where the block's output width (the next GEMV's K) is a small model's: every
-# K up to SMALL_MODEL_MAX_K has a dot config at 2-64 rows, so the next norm_linear finishes
-# the norm in its kernel (at 17-64 rows larger models' qkv and gate_up run torch's GEMM).
+# Past 16 rows only where the block's output width (the next GEMV's K) is a small model's
+# (hidden size <= SMALL_MODEL_MAX_K): gemv.config_for gives every such K a dot config at 2-64
+# rows, so the next norm_linear finishes the norm in its kernel (at 17-64 rows larger models'
+# qkv and gate_up may run torch's GEMM, which cannot).
 NORM_EPILOGUE_WIDE_MAX_ROWS = 16
 SMALL_MODEL_MAX_K = 2048  # gemv.config_for's small-model rules apply up to this K
 

@@ -47,7 +47,10 @@ INTERPRETER_CASES = [
     EpilogueCase("rows5_edges_bias", _DOT, 5, 75, 72, 37, bias=True),  # 5 programs of partials
     EpilogueCase("rows2_strided_residual", _DOT, 2, 64, 48, 40, residual_pad=9),
     EpilogueCase("rows16_wide_tiles", GemvConfig("dot", 32, 64, 4, 2), 16, 130, 96, 40),
-    EpilogueCase("rows40_64row_tile", _DOT, 40, 75, 72, 37, bias=True),  # a batch-8 verification
+    # past 16 rows (a batch-8 verification of a small model): 32- and 64-row tiles, a full tile
+    EpilogueCase("rows24_32row_tile", _DOT, 24, 64, 48, 40),
+    EpilogueCase("rows40_64row_tile", _DOT, 40, 75, 72, 37, bias=True),
+    EpilogueCase("rows64_full_tile", GemvConfig("dot", 32, 64, 4, 2), 64, 40, 40, 24, residual_pad=3),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

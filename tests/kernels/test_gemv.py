@@ -1,6 +1,6 @@
 """Small-batch linear kernels (kernels/gemv.py): every variant under TRITON_INTERPRET=1 on the CPU
 against fp64 F.linear, the dispatch of kernels/linear_ops.py, and (marked gpu) the engine's
-configs at the 8B layer shapes in bf16/fp16."""
+configs at the Llama-3-8B and SmolLM2 layer shapes in bf16/fp16."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The RMSNorm carried by GEMV epilogues at 2-16 rows (kernels/norm_epilogue.py, linear_ops
+"""The RMSNorm carried by GEMV epilogues at 2-64 rows (kernels/norm_epilogue.py, linear_ops
 linear_residual / norm_linear): the kernels under TRITON_INTERPRET=1 against the two-step path,
 the checks' power to fail, the dispatch, the torch fallback, and (marked gpu) the engine's
 configs at the SmolLM2, Qwen2 and 8B layer shapes in bf16."""
@@ -40,10 +40,10 @@ def test_epilogue_norm_matches_the_two_step_path(interpreter_results, name, dtyp
     assert result["ok"], result
 
 
-def _torch_prenormed(x, w1, residual, g, programs: int) -> Prenormed:
+def _torch_prenormed(x, w1, residual, g, programs: int, row_tile: int = 16) -> Prenormed:
     """What add_prenorm computes, in torch (partials split over `programs` column blocks)."""
     h = (F.linear(x, w1).float() + residual.float()).to(x.dtype)
-    partials = torch.zeros(programs, 16)
+    partials = torch.zeros(programs, row_tile)
     for p, cols in enumerate(h.float().chunk(programs, dim=1)):
         partials[p, : h.shape[0]] = cols.pow(2).sum(-1)
     return Prenormed(h, (h.float() * g.float()).to(h.dtype), partials)
@@ -117,7 +117,7 @@ def test_every_small_model_k_has_a_dot_config_at_2_to_64_rows():
 
     for rows in (2, 16, 17, 40, 64):
         for k in (64, 576, 1536, linear_ops.SMALL_MODEL_MAX_K):
-            for n in (64, 960, 3072, 8192):  # (a vocabulary-wide LM head follows a norm kernel)
+            for n in (64, 960, 3072, 8192, 9728, 17920, 49152, 128256):
                 config = gemv.config_for(rows, n, k)
                 assert config is not None and config.variant == "dot", (rows, n, k, config)
 
@@ -128,17 +128,27 @@ def test_the_cpu_path_is_the_plain_linear_and_leaves_the_residual_alone():
     assert residual is r and torch.equal(y, F.linear(x, w))
 
 
-def test_the_torch_fallback_finishes_the_norm_like_the_two_step_path():
+@pytest.mark.parametrize("rows,row_tile", [(3, 16), (40, 64)])
+def test_the_torch_fallback_finishes_the_norm_like_the_two_step_path(rows, row_tile):
     # A Prenormed on a path without the kernel (no fitting config): rstd from the partials in torch.
-    case = EpilogueCase("fallback", None, 3, 40, 48, 24, bias=True)
+    case = EpilogueCase("fallback", None, rows, 40, 48, 24, bias=True)
     x, w1, residual, g, w2, b = make_inputs(case, torch.float32, "cpu", seed=6)
     ref_h, ref_y = reference(x, w1, residual, g, w2, b, EPS)
-    pre = _torch_prenormed(x, w1, residual, g, programs=2)
+    pre = _torch_prenormed(x, w1, residual, g, programs=2, row_tile=row_tile)
     y, h = linear_ops.norm_linear(pre, None, g, EPS, w2, b)
     assert h is pre.h
     assert float(((y.double() - ref_y).norm(dim=-1) / ref_y.norm(dim=-1)).max()) < 1e-5
     with pytest.raises(ValueError, match="does not take rows"):
         linear_ops.norm_linear(pre, None, g, EPS, w2[:, :16])
+
+
+def test_rstd_linear_refuses_partials_of_another_row_tile():
+    from pagedinfer.kernels import gemv, norm_epilogue
+
+    u = torch.randn(40, 32).bfloat16()
+    pre = Prenormed(u, u, torch.zeros(2, 16))  # 40 rows take a 64-row tile
+    with pytest.raises(ValueError, match="not those of 40 rows"):
+        norm_epilogue.rstd_linear(pre, EPS, torch.randn(24, 32).bfloat16(), None, gemv.DOT_CONFIG)
 
 
 @pytest.mark.gpu
@@ -149,17 +159,18 @@ def test_the_torch_fallback_finishes_the_norm_like_the_two_step_path():
         (rows, *shape)
         for rows in (2, 5, 16, 40, 64)
         for shape in (
-            (576, 576, 960, False),  # SmolLM2 o_proj -> qkv
-            (1536, 576, 3072, False),  # SmolLM2 down -> gate_up
-            (896, 896, 1152, True),  # Qwen2-0.5B o_proj -> qkv (bias)
+            (1536, 576, 960, False),  # SmolLM2 down -> the next layer's qkv
+            (576, 576, 3072, False),  # SmolLM2 o_proj -> gate_up
+            (896, 896, 1152, True),  # Qwen2-0.5B: an 896-wide block output -> qkv (bias)
+            (2048, 2048, 16384, False),  # Llama-3.2-1B o_proj -> gate_up (wider than 8192)
         )
     ]
     + [
         (rows, *shape)
         for rows in (2, 5, 16)  # (past 16 rows the 8B keeps the norm kernel)
         for shape in (
-            (4096, 4096, 6144, False),  # 8B o_proj -> qkv
-            (14336, 4096, 28672, False),  # 8B down -> gate_up
+            (14336, 4096, 6144, False),  # 8B down -> the next layer's qkv
+            (4096, 4096, 28672, False),  # 8B o_proj -> gate_up
         )
     ],
 )
