@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedinfer.kernels import fused_ops
-from pagedinfer.kernels.ops import select_backend
+from pagedinfer.kernels.ops import build_errors, select_backend
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None)
 
 
 # GEMV configs this device cannot run: the tiles were sized on an H200 (up to ~150 KB of shared
-# memory); a GPU with less raises OutOfResources when the kernel loads, and the layer falls back.
+# memory); a GPU with less raises OutOfResources when the kernel loads (or another Triton or
+# ptxas build error), and the layer falls back.
 _UNFIT_CONFIGS: set = set()
 
 
@@ -96,17 +97,17 @@ def linear(
 
 
 def _launch_if_fits(key, launch):
-    """launch() unless `key` (a kernel config) is known not to fit this GPU; None when it does
-    not: Triton raises OutOfResources as the kernel loads, before anything runs on the device."""
-    from triton.runtime.errors import OutOfResources
-
+    """launch() unless `key` (a kernel config) is known not to build for this GPU; None when it
+    does not: Triton raises OutOfResources as the kernel loads (a tile sized for more shared
+    memory), a CompilationError or PTXASError as it compiles, all before anything runs on the
+    device (ops.build_errors, the attention launchers' rule)."""
     if key in _UNFIT_CONFIGS:
         return None
     try:
         return launch()
-    except OutOfResources as exc:
+    except build_errors() as exc:
         _UNFIT_CONFIGS.add(key)
-        logger.warning("GEMV config %s does not fit this GPU (%s): not used again", key, exc)
+        logger.warning("GEMV config %s does not build for this GPU (%s): not used again", key, exc)
         return None
 
 

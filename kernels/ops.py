@@ -26,7 +26,7 @@ _FAILED_KERNELS: set[str] = set()
 _BUILD_ERRORS: tuple[type[BaseException], ...] | None = None
 
 
-def _build_errors() -> tuple[type[BaseException], ...]:
+def build_errors() -> tuple[type[BaseException], ...]:
     """Triton's build-time errors, resolved once (two imports a launch cost 6-13 us of host time
     on the H100's host, for a kernel whose device time is ~4 us)."""
     global _BUILD_ERRORS
@@ -53,7 +53,7 @@ def launch_or_fallback(name: str, launch, fallback):
         return fallback()
     try:
         return launch()
-    except _build_errors() as exc:
+    except build_errors() as exc:
         _FAILED_KERNELS.add(name)
         logging.getLogger(__name__).warning(
             "kernel %s failed to build (%s): the torch ops instead", name, exc
