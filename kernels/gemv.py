@@ -162,9 +162,8 @@ LONG_K_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=512, num_warps=4, num_
 # / 4.76 us against DOT_CONFIG's 3.87 / 3.63 / 5.37; the LM head (49152 x 576) 31.5 vs 33.4 us.
 SMALL_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=256, num_warps=2, num_stages=4)
 SMALL_VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=128, num_warps=2, num_stages=6)
-SMALL_WIDE_ROWS_DOT_CONFIG = GemvConfig(
-    "dot", block_n=64, block_k=64, num_warps=4, num_stages=6
-)  # 17-64 rows
+# and for 17-64 rows of a small model's wide layers (config_for says why)
+SMALL_WIDE_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=64, block_k=64, num_warps=4, num_stages=6)
 DEFAULT_CONFIG = WIDE_CONFIG
 
 
