@@ -286,6 +286,15 @@ def default_merge(num_programs: int, device: torch.device) -> SplitMerge:
     return SplitMerge.PDL if num_programs < 16 else SplitMerge.FUSED
 
 
+def fused_counters(merge: SplitMerge | None, device: torch.device, num_counters: int):
+    """(merge, counters): the FUSED merge's zeroed arrival counters (decode, short extend), or
+    None; a FUSED merge whose counters do not fit FUSED_COUNTERS runs the KERNEL merge instead."""
+    if merge is not SplitMerge.FUSED:
+        return merge, None
+    counters = FUSED_COUNTERS.get(device, num_counters)
+    return (merge, counters) if counters is not None else (SplitMerge.KERNEL, None)
+
+
 def choose_merge(merge: SplitMerge | None, num_splits: int, num_programs: int, device: torch.device):
     """The merge a split kernel's call runs (decode, short extend): `merge`, or default_merge's
     for the grid when None; None without splits; PDL falls back to KERNEL where unsupported."""
@@ -395,11 +404,7 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused by the kernel without splits
     merge = choose_merge(config.merge, num_splits, num_seqs * num_kv_heads, query.device)
     gdc = config.pdl_prologue and pdl_supported(query.device)  # else: no wait, plain stream order
-    counters = (
-        FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
-    )
-    if merge is SplitMerge.FUSED and counters is None:
-        merge = SplitMerge.KERNEL
+    merge, counters = fused_counters(merge, query.device, num_seqs * num_kv_heads)
     # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK: one fixed value each keeps the kernel
     # from recompiling per split count (its loop over splits is dynamic; the lse tile is small).
     splits_pad = MAX_SPLITS if merge is SplitMerge.FUSED else 2

@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from pagedinfer.kernels.decode_attention import (
-    FUSED_COUNTERS,
     LOG2E,
     MAX_SPLITS,
     choose_merge,
     default_num_splits,
+    fused_counters,
     load_kv_tile,
     tile_block_ids,
 )
@@ -222,11 +222,7 @@ def paged_short_extend_attention(
     else:
         part_out = part_lse = out  # unused by the kernel without splits
     merge = merge_for(merge, num_splits, busy_seqs * num_kv_heads, query.device)
-    counters = (
-        FUSED_COUNTERS.get(query.device, num_seqs * num_kv_heads) if merge is SplitMerge.FUSED else None
-    )
-    if merge is SplitMerge.FUSED and counters is None:
-        merge = SplitMerge.KERNEL
+    merge, counters = fused_counters(merge, query.device, num_seqs * num_kv_heads)
     use_pdl = merge is SplitMerge.PDL
     # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK (fixed otherwise: no recompiles).
     splits_pad = max(2, triton.next_power_of_2(num_splits)) if merge is SplitMerge.FUSED else 2
