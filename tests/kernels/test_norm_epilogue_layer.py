@@ -100,16 +100,9 @@ def _run_path(model, caches, on: bool, mutate: bool = False) -> tuple[dict, dict
 
 
 def _run(out_path: str) -> None:
-    import torch
+    from tests.kernels.test_norm_gemv_layer import _model_and_caches, _rel_diffs
 
-    from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
-    from tests.kernels.test_norm_gemv_layer import _rel_diffs, _tiny_model
-
-    model = _tiny_model()
-    caches = allocate_kv_caches(model.config, 3, BLOCK_SIZE, "cpu", torch.float16)
-    for kv in caches:
-        for t in kv:
-            t.copy_(torch.randn(t.shape))
+    model, caches = _model_and_caches()
     on, on_calls = _run_path(model, caches, on=True)
     off, off_calls = _run_path(model, caches, on=False)
     mutated, _ = _run_path(model, caches, on=True, mutate=True)

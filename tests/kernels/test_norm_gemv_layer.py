@@ -149,7 +149,8 @@ def _rel_diffs(a: dict, b: dict) -> dict[str, float]:
     return {k: float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b}
 
 
-def _run(out_path: str) -> None:
+def _model_and_caches():
+    """The tiny model and 3 blocks of KV cache a layer with random K/V (the earlier tokens')."""
     import torch
 
     from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
@@ -159,6 +160,13 @@ def _run(out_path: str) -> None:
     for kv in caches:  # the CONTEXT earlier tokens' K/V (other slots are never read)
         for t in kv:
             t.copy_(torch.randn(t.shape))
+    return model, caches
+
+
+def _run(out_path: str) -> None:
+    import torch
+
+    model, caches = _model_and_caches()
     folded, folded_calls = _run_path(model, caches, fold=True)
     two_step, two_step_calls = _run_path(model, caches, fold=False)
     mutated, _ = _run_path(model, caches, fold=True, mutate=_perturb_last_norm)
