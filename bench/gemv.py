@@ -82,12 +82,21 @@ CONFIGS = [
     GemvConfig("dot", 16, 256, 2, 4),
     GemvConfig("dot", 32, 128, 8, 6),
     GemvConfig("dot", 32, 128, 2, 6),
+    # 17-64 rows over 16-row blocks (session 23): each block as fast as 16 rows alone?
+    GemvConfig("dot", 16, 256, 2, 4, block_m=16),
+    GemvConfig("dot", 16, 128, 2, 6, block_m=16),
+    GemvConfig("dot", 32, 128, 4, 6, block_m=16),
+    GemvConfig("dot", 32, 128, 4, 4, block_m=16),
+    GemvConfig("dot", 16, 256, 4, 4, block_m=16),
+    GemvConfig("dot", 64, 64, 4, 6, block_m=16),
+    GemvConfig("dot", 32, 128, 4, 6, block_m=32),
 ]
 
 
 def name_of(config: GemvConfig) -> str:
     c = config
-    return f"{c.variant}/{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+    rows = f"/m{c.block_m}" if c.block_m else ""
+    return f"{c.variant}/{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{rows}"
 
 
 def time_layer(fn, weights, x, rep_ms) -> float:

@@ -11,13 +11,16 @@ Two variants of the same contract:
 - `reduce`: multiply-and-accumulate into a [BLOCK_N, BLOCK_K] fp32 tile, one reduction at the end
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
-  cores; rows of x padded to 16, 32 or 64), for up to 64 rows;
+  cores; rows of x padded to 16, 32 or 64), for up to 64 rows. With `block_m` set the rows are
+  split over a second grid axis: each (row block, column tile) program takes that many rows, the
+  row blocks of one column tile launch side by side and share its weight tile through L2;
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,10 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # dot only: rows a program takes (16, 32 or 64); 0 puts every row in one tile. A latency-bound
+    # layer's time is its K loop, whatever the tile's rows: 40 rows as three 16-row programs a
+    # column tile run as fast as 16 rows do (bench/NOTES.md, session 23).
+    block_m: int = 0
 
 
 @triton.jit
@@ -127,8 +134,9 @@ def _gemv_dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid (row blocks, column tiles): a column tile's row blocks are neighbours in launch order
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -162,9 +170,14 @@ LONG_K_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=512, num_warps=4, num_
 # / 4.76 us against DOT_CONFIG's 3.87 / 3.63 / 5.37; the LM head (49152 x 576) 31.5 vs 33.4 us.
 SMALL_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=256, num_warps=2, num_stages=4)
 SMALL_VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=128, num_warps=2, num_stages=6)
-# and for 17-64 rows of a small model's wide layers (config_for says why)
+# and for 17-64 rows of a small model (config_for says why): the 2-16-row tiles over 16-row blocks
+SMALL_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=256, num_warps=2, num_stages=4, block_m=16)
+SMALL_MID_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=128, num_warps=4, num_stages=6, block_m=16)
 SMALL_WIDE_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=64, block_k=64, num_warps=4, num_stages=6)
 DEFAULT_CONFIG = WIDE_CONFIG
+# PAGEDINFER_GEMV_ROW_BLOCKS=0: a small model's 17-64 rows in one tile, as before the row blocks
+# (the A/B switch of the benchmarks).
+ROW_BLOCKS = os.environ.get("PAGEDINFER_GEMV_ROW_BLOCKS", "1") != "0"
 
 
 def gemv(
@@ -184,7 +197,6 @@ def gemv(
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
-    grid = (triton.cdiv(n, config.block_n),)
     common = dict(
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
@@ -205,10 +217,21 @@ def gemv(
         y.stride(0),
     )
     if config.variant == "dot":
-        _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(num_rows)), **common)
+        block_m = row_block(config, num_rows)
+        grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, config.block_n))
+        _gemv_dot_kernel[grid](*args, BLOCK_M=block_m, **common)
     else:
-        _gemv_reduce_kernel[grid](*args, **common)
+        _gemv_reduce_kernel[(triton.cdiv(n, config.block_n),)](*args, **common)
     return y
+
+
+def row_block(config: GemvConfig, num_rows: int) -> int:
+    """A dot program's row tile: the config's block_m, at most the rows rounded up to 16, 32 or 64
+    (tl.dot wants at least 16)."""
+    if config.block_m not in (0, 16, 32, 64):
+        raise ValueError(f"block_m is 0, 16, 32 or 64, got {config.block_m}")
+    rows = max(16, triton.next_power_of_2(num_rows))
+    return min(config.block_m, rows) if config.block_m else rows
 
 
 # 17-64 rows (a batch-8 verification: 8 x (K + 1)), from the H200 sweep of 2026-12-04 12:20
@@ -227,10 +250,15 @@ def config_for(num_rows: int, n: int, k: int) -> GemvConfig | None:
         if k <= SMALL_MODEL_MAX_K:
             # a small model's batch-8 verification (40-56 rows): the kernel for every N, so that
             # the norm epilogues apply (linear_ops.uses_norm_epilogue) and no norm kernel runs.
-            # SmolLM2 at 40 / 56 rows (H100, 2026-12-05 19:00): ties with torch's GEMM (4.1 / 3.8 /
-            # 4.7 / 5.5 us vs 4.2 / 3.8 / 4.8 / 5.3); its LM head on 64x64 tiles 32.0 vs 33.6
-            # (DOT_CONFIG's 32-wide tiles 43.6). Other small models' shapes are not measured.
-            return SMALL_WIDE_ROWS_DOT_CONFIG if n > 8192 else DOT_CONFIG
+            # SmolLM2 at 40 / 56 rows (H100, 2026-12-05 19:00): one 64-row tile ties with torch's
+            # GEMM (4.1 / 3.8 / 4.7 / 5.5 us vs 4.2 / 3.8 / 4.8 / 5.3), ~0.3-0.8 us over 16 rows;
+            # 16-row blocks run each like the 2-16-row case. Its LM head on 64x64 tiles 32.0 vs
+            # 33.6 (DOT_CONFIG's 32-wide tiles 43.6). Other small models' shapes are not measured.
+            if n > 8192:
+                return SMALL_WIDE_ROWS_DOT_CONFIG
+            if not ROW_BLOCKS:
+                return DOT_CONFIG
+            return SMALL_ROWS_DOT_CONFIG if n <= 2048 else SMALL_MID_ROWS_DOT_CONFIG
         if k < 4096:
             return None  # (measured at the 8B shapes only: mid-size models keep torch's GEMM here)
         if n > 32768:

@@ -47,6 +47,10 @@ INTERPRETER_CASES = [
     # 17-64 rows (a verification batch: B x (K + 1)): 32- and 64-row tiles
     GemvCase("dot_24rows", GemvConfig("dot", 32, 64, 4, 2), 24, 50, 130, bias=True),
     GemvCase("dot_64rows", GemvConfig("dot", 16, 64, 4, 2), 64, 33, 96, row_pad=3),
+    # rows split over row blocks (block_m): a partial last block, full blocks, one block
+    GemvCase("dot_40rows_16row_blocks", GemvConfig("dot", 16, 64, 4, 2, block_m=16), 40, 37, 96, bias=True),
+    GemvCase("dot_64rows_32row_blocks", GemvConfig("dot", 32, 32, 4, 2, block_m=32), 64, 40, 70, row_pad=3),
+    GemvCase("dot_5rows_one_row_block", GemvConfig("dot", 16, 64, 4, 2, block_m=16), 5, 24, 64),
 ]
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 

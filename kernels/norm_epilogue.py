@@ -7,8 +7,8 @@ tensor cores want x as loaded: bench/NOTES.md, session 21). Here nothing touches
 
 - `add_prenorm` (o_proj, down: the GEMV before a norm): y = x @ W.T, then in its epilogue
   h = y + residual (rounded as torch rounds the two-step add), u = h * g (g the next norm's weight)
-  and, per program, the sum of h^2 over its N tile for each row: partials [programs, BLOCK_M] fp32
-  (BLOCK_M the rows rounded up to 16, 32 or 64).
+  and, per program, the sum of h^2 over its N tile for each row: partials [column tiles, R] fp32
+  (R the rows rounded up to 16, 32 or 64; a program of a row block writes its rows' slice).
 - `rstd_linear` (qkv, gate_up: the GEMV after it): acc = u @ W.T with u loaded as it is; in its
   epilogue each row's sum of squares from the partials (a fixed order: deterministic) gives
   rstd, y = acc * rstd (+ bias).
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedinfer.kernels.gemv import GemvConfig, dot_rows
+from pagedinfer.kernels.gemv import GemvConfig, dot_rows, row_block
 from pagedinfer.kernels.linear_ops import NORM_EPILOGUE_MAX_ROWS as MAX_ROWS
 from pagedinfer.kernels.linear_ops import Prenormed  # what add_prenorm returns (no Triton there)
 
@@ -39,20 +39,21 @@ def _add_prenorm_kernel(
     norm_w_ptr,  # [N] the next norm's weight
     h_ptr,  # [M, N] out: x @ W.T + residual
     u_ptr,  # [M, N] out: h * norm_w
-    partials_ptr,  # [programs, BLOCK_M] out: sum of h^2 over this program's columns
+    partials_ptr,  # [column tiles, PARTIALS_ROWS] out: sum of h^2 over this program's columns
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_rm,
+    PARTIALS_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(1)  # grid (row blocks, column tiles), as gemv's dot kernel
     dtype = h_ptr.dtype.element_ty
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
@@ -68,14 +69,14 @@ def _add_prenorm_kernel(
     tl.store(h_ptr + out, h, mask=mn_mask)
     hf = h.to(tl.float32)  # masked rows and columns are 0
     tl.store(u_ptr + out, (hf * g[None, :]).to(dtype), mask=mn_mask)
-    tl.store(partials_ptr + pid * BLOCK_M + rm, tl.sum(hf * hf, axis=1))
+    tl.store(partials_ptr + pid * PARTIALS_ROWS + rm, tl.sum(hf * hf, axis=1))
 
 
 @triton.jit
 def _rstd_linear_kernel(
     u_ptr,  # [M, K] h * g
     w_ptr,  # [N, K]
-    partials_ptr,  # [P, BLOCK_M] sums of h^2
+    partials_ptr,  # [P, PARTIALS_ROWS] sums of h^2
     b_ptr,  # [N] or a dummy
     y_ptr,  # [M, N]
     M,
@@ -86,18 +87,19 @@ def _rstd_linear_kernel(
     stride_wn,
     eps,
     HAS_BIAS: tl.constexpr,
+    PARTIALS_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     rp = tl.arange(0, BLOCK_P)
     parts = tl.load(  # before the weight stream, as in _add_prenorm_kernel
-        partials_ptr + rp[:, None] * BLOCK_M + rm[None, :], mask=(rp < P)[:, None], other=0.0
+        partials_ptr + rp[:, None] * PARTIALS_ROWS + rm[None, :], mask=(rp < P)[:, None], other=0.0
     )
     acc = dot_rows(u_ptr, w_ptr, rm, rn, K, stride_um, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(parts, axis=0) / K + eps))  # as the norm kernel
@@ -112,7 +114,8 @@ def _rstd_linear_kernel(
 
 
 def block_rows(rows: int) -> int:
-    """The kernels' row tile (tl.dot wants at least 16), and the partials' row stride."""
+    """The partials' row stride: the rows rounded up to 16, 32 or 64. Fixed by the rows alone, so
+    the two kernels of a pair may take different row blocks (gemv.row_block, which divides it)."""
     return max(16, triton.next_power_of_2(rows))
 
 
@@ -137,10 +140,11 @@ def add_prenorm(
     rows, k = x.shape
     n = weight.shape[0]
     programs = triton.cdiv(n, config.block_n)
+    block_m = row_block(config, rows)
     h = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     u = torch.empty_like(h)
     partials = torch.empty((programs, block_rows(rows)), dtype=torch.float32, device=x.device)
-    _add_prenorm_kernel[(programs,)](
+    _add_prenorm_kernel[(triton.cdiv(rows, block_m), programs)](
         x,
         weight,
         residual,
@@ -154,7 +158,8 @@ def add_prenorm(
         x.stride(0),
         weight.stride(0),
         residual.stride(0),
-        BLOCK_M=block_rows(rows),
+        PARTIALS_ROWS=block_rows(rows),
+        BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
@@ -179,7 +184,8 @@ def rstd_linear(
     num_partials = pre.partials.shape[0]
     if pre.partials.shape[1] != block_rows(rows):
         raise ValueError(f"partials {tuple(pre.partials.shape)} are not those of {rows} rows")
-    _rstd_linear_kernel[(triton.cdiv(n, config.block_n),)](
+    block_m = row_block(config, rows)
+    _rstd_linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, config.block_n))](
         u,
         weight,
         pre.partials,
@@ -193,7 +199,8 @@ def rstd_linear(
         weight.stride(0),
         float(eps),
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_rows(rows),
+        PARTIALS_ROWS=block_rows(rows),
+        BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_P=triton.next_power_of_2(num_partials),
