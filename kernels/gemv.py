@@ -12,8 +12,8 @@ Two variants of the same contract:
   (CUDA cores; a row of x at a time, for 1-2 rows);
 - `dot`: `tl.dot` of a [BLOCK_M, BLOCK_K] tile of x with the [BLOCK_K, BLOCK_N] weight tile (tensor
   cores; rows of x padded to 16, 32 or 64), for up to 64 rows. With `block_m` set the rows are
-  split over a second grid axis: each (row block, column tile) program takes that many rows, the
-  row blocks of one column tile launch side by side and share its weight tile through L2;
+  split over row blocks: each (row block, column tile) program takes that many rows, the row
+  blocks of one column tile launch side by side and share its weight tile through L2;
 Accumulation is fp32, the output is rounded once to x's dtype (as cuBLAS does); only the order of
 the sum differs from torch's GEMM.
 """
@@ -118,6 +118,14 @@ def dot_rows(
 
 
 @triton.jit
+def block_of(pid, M, BLOCK_M: tl.constexpr):
+    """(row block, column tile) of a dot program on a 1-D grid of row blocks x column tiles: a
+    column tile's row blocks are neighbours in launch order (and one axis has no 65535 cap)."""
+    row_blocks = tl.cdiv(M, BLOCK_M)
+    return pid % row_blocks, pid // row_blocks
+
+
+@triton.jit
 def _gemv_dot_kernel(
     x_ptr,
     w_ptr,
@@ -134,9 +142,9 @@ def _gemv_dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # grid (row blocks, column tiles): a column tile's row blocks are neighbours in launch order
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_block, col_tile = block_of(tl.program_id(0), M, BLOCK_M)
+    rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -218,7 +226,7 @@ def gemv(
     )
     if config.variant == "dot":
         block_m = row_block(config, num_rows)
-        grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, config.block_n))
+        grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(n, config.block_n),)
         _gemv_dot_kernel[grid](*args, BLOCK_M=block_m, **common)
     else:
         _gemv_reduce_kernel[(triton.cdiv(n, config.block_n),)](*args, **common)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +87,11 @@ def linear(
     config = gemv.config_for(x.shape[0], weight.shape[0], weight.shape[1])
     if config is None:
         return F.linear(x, weight, bias)
-    # A tile that does not fit this GPU: the variant's small default tile, then torch's GEMM.
-    fallback = gemv.DOT_CONFIG if config.variant == "dot" else gemv.DEFAULT_CONFIG
+    # A tile that does not fit this GPU: the variant's small default tile (on the same row
+    # blocks: a 64-row tile would need more shared memory, not less), then torch's GEMM.
+    fallback = (
+        replace(gemv.DOT_CONFIG, block_m=config.block_m) if config.variant == "dot" else gemv.DEFAULT_CONFIG
+    )
     for candidate in dict.fromkeys((config, fallback)):
         y = _launch_if_fits(candidate, lambda c=candidate: gemv.gemv(x, weight, bias, c))
         if y is not None:

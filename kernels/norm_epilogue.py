@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedinfer.kernels.gemv import GemvConfig, dot_rows, row_block
+from pagedinfer.kernels.gemv import GemvConfig, block_of, dot_rows, row_block
 from pagedinfer.kernels.linear_ops import NORM_EPILOGUE_MAX_ROWS as MAX_ROWS
 from pagedinfer.kernels.linear_ops import Prenormed  # what add_prenorm returns (no Triton there)
 
@@ -51,10 +51,10 @@ def _add_prenorm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(1)  # grid (row blocks, column tiles), as gemv's dot kernel
+    row_block, col_tile = block_of(tl.program_id(0), M, BLOCK_M)  # as gemv's dot kernel
     dtype = h_ptr.dtype.element_ty
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -69,7 +69,7 @@ def _add_prenorm_kernel(
     tl.store(h_ptr + out, h, mask=mn_mask)
     hf = h.to(tl.float32)  # masked rows and columns are 0
     tl.store(u_ptr + out, (hf * g[None, :]).to(dtype), mask=mn_mask)
-    tl.store(partials_ptr + pid * PARTIALS_ROWS + rm, tl.sum(hf * hf, axis=1))
+    tl.store(partials_ptr + col_tile * PARTIALS_ROWS + rm, tl.sum(hf * hf, axis=1))
 
 
 @triton.jit
@@ -93,13 +93,16 @@ def _rstd_linear_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_block, col_tile = block_of(tl.program_id(0), M, BLOCK_M)
+    rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     rp = tl.arange(0, BLOCK_P)
     parts = tl.load(  # before the weight stream, as in _add_prenorm_kernel
-        partials_ptr + rp[:, None] * PARTIALS_ROWS + rm[None, :], mask=(rp < P)[:, None], other=0.0
+        partials_ptr + rp[:, None] * PARTIALS_ROWS + rm[None, :],
+        mask=(rp < P)[:, None] & m_mask[None, :],  # (rows past M: maybe never written)
+        other=0.0,
     )
     acc = dot_rows(u_ptr, w_ptr, rm, rn, K, stride_um, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(parts, axis=0) / K + eps))  # as the norm kernel
@@ -144,7 +147,7 @@ def add_prenorm(
     h = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     u = torch.empty_like(h)
     partials = torch.empty((programs, block_rows(rows)), dtype=torch.float32, device=x.device)
-    _add_prenorm_kernel[(triton.cdiv(rows, block_m), programs)](
+    _add_prenorm_kernel[(triton.cdiv(rows, block_m) * programs,)](
         x,
         weight,
         residual,
@@ -185,7 +188,7 @@ def rstd_linear(
     if pre.partials.shape[1] != block_rows(rows):
         raise ValueError(f"partials {tuple(pre.partials.shape)} are not those of {rows} rows")
     block_m = row_block(config, rows)
-    _rstd_linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, config.block_n))](
+    _rstd_linear_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(n, config.block_n),)](
         u,
         weight,
         pre.partials,

@@ -120,3 +120,30 @@ def test_a_wide_tile_that_does_not_fit_retries_the_small_dot_tile_first(monkeypa
     torch.testing.assert_close(out, F.linear(x, w) + 1, rtol=0, atol=0)
     linear_ops.linear(x, w, None, "triton")
     assert tried[2:] == [gemv.DOT_CONFIG]  # the unfit tile is not tried again
+
+
+def test_a_row_blocked_tile_that_does_not_fit_retries_the_small_dot_tile_on_the_same_blocks(monkeypatch):
+    # 40 rows of a small model take 16-row blocks; the retry keeps them (one 64-row tile would
+    # need more shared memory than the tile that failed), and the 2-16-row DOT_CONFIG stays usable.
+    from dataclasses import replace
+
+    from triton.runtime.errors import OutOfResources
+
+    from pagedinfer.kernels import gemv
+
+    tried = []
+
+    def fits_only_the_default(x, w, b, config):
+        tried.append(config)
+        if config.block_n != gemv.DOT_CONFIG.block_n or config.block_k != gemv.DOT_CONFIG.block_k:
+            raise OutOfResources(120_000, 101_376, "shared memory")
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(gemv, "gemv", fits_only_the_default)
+    monkeypatch.setattr(gemv, "ROW_BLOCKS", True)
+    monkeypatch.setattr(linear_ops, "_UNFIT_CONFIGS", set())
+    monkeypatch.setattr(linear_ops, "GEMV_ENABLED", True)
+    x, w = torch.randn(40, 576).half(), torch.randn(576, 576).half()
+    linear_ops.linear(x, w, None, "triton")
+    assert tried == [gemv.SMALL_ROWS_DOT_CONFIG, replace(gemv.DOT_CONFIG, block_m=16)]
+    assert gemv.DOT_CONFIG not in linear_ops._UNFIT_CONFIGS

@@ -17,6 +17,7 @@ from pagedinfer.kernels.norm_epilogue_testing import (
     EpilogueCase,
     check,
     make_inputs,
+    prenorm_with_poisoned_pad,
     reference,
 )
 from tests.kernels.interpreter_run import run_interpreter_cases
@@ -179,9 +180,9 @@ def test_engine_configs_at_full_shapes(rows, k_in, hidden, n_out, bias):
 
     case = EpilogueCase("gpu", None, rows, k_in, hidden, n_out, bias=bias)
     x, w1, residual, g, w2, b = make_inputs(case, torch.bfloat16, "cuda", seed=rows + k_in)
-    pre = norm_epilogue.add_prenorm(x, w1, residual, g, gemv.config_for(rows, hidden, k_in))
+    pre, written_rows = prenorm_with_poisoned_pad(x, w1, residual, g, gemv.config_for(rows, hidden, k_in))
     y = norm_epilogue.rstd_linear(pre, EPS, w2, b, gemv.config_for(rows, n_out, hidden))
-    result = check(pre, y, g, *reference(x, w1, residual, g, w2, b, EPS), torch.bfloat16)
+    result = check(pre, y, g, *reference(x, w1, residual, g, w2, b, EPS), torch.bfloat16, written_rows)
     assert result["ok"], result
     # The launchers the model calls run the same kernels (unless switched off for the run).
     if linear_ops.uses_norm_epilogue(x, w1, residual, g, None):
