@@ -163,6 +163,14 @@ probe profile_spec_b8 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads
 # SmolLM2's linear layers at 1 row (decode) and 3 / 5 / 7 rows (n-gram verification at K 2 / 4 / 6):
 # the configs the engine routes them to against the sweep's best and torch (~1 min)
 probe gemv_smollm2 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2" --model smollm2 --rows 1,3,5,7 --rep-ms 25
+# the same at 8 / 16 rows (a plain batch-8 step) and 40 / 56 (a batch-8 verification at K 4 / 6):
+# one tile of all rows against 16-row blocks (GemvConfig.block_m; ~1 min)
+probe gemv_smollm2_b8 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2_b8" --model smollm2 --rows 8,16,40,56 --rep-ms 25
+# the n-gram rows again with a small model's 17-64-row GEMVs in one tile (the row blocks off: A/B)
+# shellcheck disable=SC2086  # SPEC_BENCH_ARGS splits into words
+probe spec_ngram_row_blocks_off env PAGEDINFER_GEMV_ROW_BLOCKS=0 "$PY" -P bench/speculative.py --device cuda \
+  --out "$OUTDIR/spec_row_blocks_off" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" \
+  --batches 1,8 --ks 2,4,6 --max-tokens 128 ${SPEC_BENCH_ARGS:-}
 probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \
