@@ -170,14 +170,18 @@ class EngineCore:
         )
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        """Finish the request now (its blocks are freed); returns its final output, if any."""
+        """Finish the request now (its blocks are freed); returns its final output, if any, after
+        the last step's outputs (every request's: those of the aborted one are tokens its usage
+        counts, which the flush after the abort would drop with its state)."""
         aborted = self.scheduler.abort_request(request_id)
-        if aborted and self.spec_decoder is not None and self._inflight is None:
+        if not aborted:
+            return []
+        if self.spec_decoder is not None and self._inflight is None:
             # No launched step reads their draft cache: its blocks go back now (a chain's
             # draft state is otherwise freed by the step after, which a failed launch never ran).
             for seq in aborted:
                 self.spec_decoder.free(seq.seq_id)
-        return self.outputs.process([], aborted) if aborted else []
+        return self._flush_pending() + self.outputs.process([], aborted)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None or self._inflight is not None
@@ -315,8 +319,11 @@ class EngineCore:
         if self._pending is None:
             return []
         pending, self._pending = self._pending, None
-        self._account(pending)
-        return self.outputs.process(pending.updates, pending.finished)
+        cut, stopped = self.outputs.num_cut_tokens, self.outputs.num_stopped
+        outputs = self.outputs.process(pending.updates, pending.finished)
+        # (tokens past a stop string are not generated output; its sequence finished here)
+        self._account(pending, self.outputs.num_cut_tokens - cut, self.outputs.num_stopped - stopped)
+        return outputs
 
     def _snapshot(self) -> StepStats:
         """The step's gauges now; its per-sequence counts are filled in by `_account` later."""
@@ -337,9 +344,11 @@ class EngineCore:
     def add_step_listener(self, callback: StepListener) -> None:
         self._listeners.append(callback)
 
-    def _account(self, pending: _Pending) -> None:
+    def _account(self, pending: _Pending, num_cut: int, num_stopped: int) -> None:
+        """The step's counts; num_cut tokens of its updates fell past a stop string, which
+        finished num_stopped sequences (found by the output processor)."""
         sched, updates, stats = pending.sched, pending.updates, pending.snapshot
-        num_gen = sum(len(u.new_token_ids) for u in updates)
+        num_gen = sum(len(u.new_token_ids) for u in updates) - num_cut
         # Decodes (computed >= prompt) add no prompt tokens.
         num_prompt = sum(
             max(min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens, 0)
@@ -357,7 +366,7 @@ class EngineCore:
         stats.num_scheduled_tokens = sched.num_scheduled_tokens
         stats.num_prompt_tokens = num_prompt
         stats.num_generation_tokens = num_gen
-        stats.num_finished = sum(1 for u in updates if u.is_finished)
+        stats.num_finished = sum(1 for u in updates if u.is_finished) + num_stopped
         stats.num_draft_tokens = pending.result.num_draft_tokens
         stats.num_accepted_tokens = pending.result.num_accepted_tokens
         stats.num_verified_seqs = pending.result.num_verified_seqs

@@ -38,6 +38,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self._states: dict[str, _RequestState] = {}
+        # Running totals for the step accounting: tokens a step applied that a stop string cut
+        # off (never output), and sequences a stop string finished here.
+        self.num_cut_tokens = 0
+        self.num_stopped = 0
 
     def __len__(self) -> int:
         return len(self._states)
@@ -90,8 +94,10 @@ class OutputProcessor:
                     del delta.token_ids[-past:]
                     del seq.output_token_ids[-past:]
                     logprobs = logprobs[:-past] if logprobs is not None else None
+                    self.num_cut_tokens += past
             if stop is not None and not seq.is_finished:
                 self.scheduler.finish_sequence(seq, FinishReason.STOP, stop_reason=stop)
+                self.num_stopped += 1
             elif stop is not None and seq.finish_reason is not FinishReason.ABORT:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
         if logprobs is not None:

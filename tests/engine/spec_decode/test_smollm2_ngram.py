@@ -163,3 +163,43 @@ def test_smollm2_chains_stop_where_the_copied_text_ends(llm):
     assert runs[True][1] < runs[False][1], runs
     kv = core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_smollm2_stop_string_inside_an_accepted_draft_counts_only_the_output(llm):
+    """A verification step emits several tokens; a stop string inside them cuts the ones after
+    it. Output, finish and usage equal plain decoding's, and the engine's counters (stats() and
+    the step listeners' StepStats) count the output tokens, not the cut ones, and every finished
+    sequence once."""
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TASKS]
+    stop = dict(max_tokens=48, temperature=0.0, stop=["budget for the park"], n=2)
+    core = llm.core
+    steps = []
+    core.add_step_listener(steps.append)
+    try:
+        results = {}
+        for spec in (False, True):
+            steps.clear()
+            before = core.stats()["generation_tokens_total"]
+            drafts = core.spec_decoder.stats.num_accepted_tokens
+            cut = core.outputs.num_cut_tokens
+            params = SamplingParams(**stop, use_speculation=spec)
+            out = llm.generate(prompt_token_ids=prompts, sampling_params=params)[0]
+            completion = out.usage.completion_tokens
+            assert sum(s.num_generation_tokens for s in steps) == completion
+            assert core.stats()["generation_tokens_total"] - before == completion
+            assert sum(s.num_finished for s in steps) == 2
+            results[spec] = (
+                out.completions,
+                completion,
+                core.spec_decoder.stats.num_accepted_tokens - drafts,
+            )
+            assert (core.outputs.num_cut_tokens > cut) == spec  # tokens past the stop: spec only
+    finally:
+        core._listeners.remove(steps.append)
+    (plain, plain_usage, _), (fast, fast_usage, accepted) = results[False], results[True]
+    assert accepted > 0  # drafts ran through the stop
+    assert fast_usage == plain_usage
+    assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in fast] == [
+        (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in plain
+    ]
+    assert all(c.stop_reason == "budget for the park" for c in plain)

@@ -24,6 +24,7 @@ from pagedinfer.engine.config import (
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.models.llama import LlamaForCausalLM
+from pagedinfer.engine.outputs import FinishReason
 from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.spec_decode.controller import SpeculativeDecoder
 from pagedinfer.engine.spec_decode.draft_model import DraftModelProposer
@@ -361,3 +362,44 @@ def test_async_scheduling_runs_where_no_sequence_drafts(tiny_llama_dir, baseline
 
 def baseline_llm_outputs(folder, params):
     return make_llm(folder).generate(prompt_token_ids=prompts(), sampling_params=params)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        None,
+        SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=4),
+    ],
+    ids=["plain", "ngram", "draft"],
+)
+def test_an_aborted_request_streams_every_token_its_usage_counts(tiny_llama_dir, spec):
+    """Outputs trail the scheduler by a step: an abort first sends the last step's tokens (up to
+    K + 1 a sequence when speculating), then the final output, whose usage counts exactly the
+    tokens streamed. The other requests' tokens of that step are not lost either."""
+    llm = make_llm(tiny_llama_dir, spec)
+    core = llm.core
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    core.add_request("a", [7, 8, 9, 10] * 4, params)
+    core.add_request("b", [5, 6] * 4, params)
+    streamed: dict[str, list[int]] = {"a": [], "b": []}
+    finals = {}
+
+    def take(outputs):
+        for out in outputs:
+            streamed[out.request_id] += [t for d in out.deltas for t in d.token_ids]
+            if out.finished:
+                finals[out.request_id] = out
+
+    for _ in range(4):
+        take(core.step())
+    take(core.abort("a"))
+    assert "a" in finals and finals["a"].deltas[0].finish_reason is FinishReason.ABORT
+    assert len(streamed["a"]) == finals["a"].usage.completion_tokens >= 4
+    while core.has_unfinished():
+        take(core.step())
+    assert len(streamed["b"]) == finals["b"].usage.completion_tokens == 40
+    assert streamed["b"] == generate(make_llm(tiny_llama_dir), params, [[5, 6] * 4])[0]
+    if spec is not None:
+        assert core.spec_decoder.stats.num_accepted_tokens > 0
+        assert_no_leak(llm)
