@@ -178,7 +178,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            if not self._reserve_slots(seq, num_new, copies, preempted):
+            num_new = self._reserve_slots(seq, num_new, copies, preempted)
+            if not num_new:
                 continue  # `seq` itself left the running list
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
@@ -254,15 +255,21 @@ class Scheduler:
 
     def _reserve_slots(
         self, seq: Request, num_new: int, copies: list[tuple[int, int]], preempted: list[int]
-    ) -> bool:
-        """Slots for the tokens `seq` computes this step; preempts from the tail if needed."""
-        new_ids = seq.token_ids_range(seq.num_kv_tokens, seq.num_computed_tokens + num_new)
+    ) -> int:
+        """Slots for the tokens `seq` computes this step -> how many it got (0: none, and `seq`
+        left the running list). Its drafts go first when the pool is short: they are optional, so
+        nothing is preempted (or failed) to make room for them. Then it preempts from the tail."""
         while True:
+            new_ids = seq.token_ids_range(seq.num_kv_tokens, seq.num_computed_tokens + num_new)
             result = self.kv.append(seq.seq_id, new_ids)
             if result is not None:
                 copies.extend(result)
                 seq.num_kv_tokens += len(new_ids)
-                return True
+                return num_new
+            without_drafts = min(num_new, seq.num_tokens - seq.num_computed_tokens)
+            if 0 < without_drafts < num_new:
+                num_new = without_drafts  # (the drafts stay unverified, as when the budget cuts them)
+                continue
             victim = self.running[-1]
             if victim is seq:
                 if len(self.running) == 1:
@@ -271,7 +278,7 @@ class Scheduler:
                     )
                 else:
                     self._preempt(seq, preempted)
-                return False
+                return 0
             self._preempt(victim, preempted)
 
     def _preempt(self, seq: Request, preempted: list[int]) -> None:

@@ -403,3 +403,34 @@ def test_an_aborted_request_streams_every_token_its_usage_counts(tiny_llama_dir,
     if spec is not None:
         assert core.spec_decoder.stats.num_accepted_tokens > 0
         assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=4),
+    ],
+    ids=["ngram", "draft"],
+)
+def test_drafts_that_do_not_fit_the_pool_are_dropped_before_anything_is_preempted(tiny_llama_dir, spec):
+    """A pool too small for a sequence's drafts: the drafts go unverified, and the sequence runs
+    on as plain decoding does. A lone sequence ends (out of KV) exactly where plain decoding's
+    does; with two, there are no more preemptions than without speculation."""
+    unbounded = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    lone = [[7, 8, 9, 10] * 3 + [5, 6]]
+    pair = [[7, 8, 9, 10] * 2, [11, 12] * 4]
+    bounded = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        llm = make_llm(tiny_llama_dir, config, num_blocks=8)  # 28 slots (a block is held back)
+        out = llm.generate(prompt_token_ids=lone, sampling_params=unbounded)[0]
+        two = llm.generate(prompt_token_ids=pair, sampling_params=bounded)
+        runs[name] = (out.token_ids, out.completions[0].error, [o.token_ids for o in two])
+        runs[name + "_preemptions"] = llm.core.scheduler.num_preemptions_total
+        if config is not None:
+            assert llm.core.spec_decoder.stats.num_draft_tokens > 0
+            assert_no_leak(llm)
+    assert runs["spec"] == runs["plain"]
+    assert runs["plain"][1] == "sequence does not fit in the KV cache"
+    assert runs["spec_preemptions"] <= runs["plain_preemptions"]
