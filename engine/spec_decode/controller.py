@@ -186,8 +186,15 @@ class SpeculativeDecoder:
         """Drafts a decoding sequence that wants speculation may take (0: no room left)."""
         params = seq.sampling_params
         limit = self.config.num_speculative_tokens
-        # One step emits up to k + 1 tokens: stay within max_tokens and the context.
-        if params.max_tokens is not None:
+        # One step emits up to k + 1 tokens: stay within max_tokens and the context. Except for a
+        # seeded request whose drafts are draws (a draft model's): a chained step, which cannot
+        # see max_tokens, verifies all k there, and an accepted draw is another token than the
+        # target's own; drafting k here too keeps its tokens the same whichever step decides them
+        # (the tokens past max_tokens are dropped).
+        keep_k = (
+            seq.seed is not None and not params.is_greedy and getattr(self.proposer, "draws_drafts", False)
+        )
+        if params.max_tokens is not None and not keep_k:
             limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
         return max(min(limit, self.max_model_len - seq.num_tokens - 1), 0)
 

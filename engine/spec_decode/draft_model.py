@@ -74,6 +74,8 @@ class _DraftSeq:
 class DraftModelProposer:
     """Proposer running a draft model (any module with the `LlamaForCausalLM` call interface)."""
 
+    draws_drafts = True
+
     def __init__(
         self,
         model,

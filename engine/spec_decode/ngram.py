@@ -273,6 +273,8 @@ class _TokenCache:
 class NgramProposer:
     """Proposer over the sequence's own tokens (prompt lookup decoding), batched over sequences."""
 
+    draws_drafts = False
+
     def __init__(
         self,
         ngram_min: int,

@@ -77,6 +77,10 @@ class DraftProposals:
 class Proposer(Protocol):
     """Drafts tokens for a batch of sequences. Implementations: NgramProposer, DraftModelProposer."""
 
+    # Whether a sampled request's drafts are draws from a distribution q (a draft model), which
+    # rejection sampling may accept in place of the target's own draw; n-gram drafts are not.
+    draws_drafts: bool
+
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         """Drafts for every request (all at once: one batched pass where there is a model)."""
         ...
