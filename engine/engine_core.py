@@ -327,6 +327,9 @@ class EngineCore:
 
     def _snapshot(self) -> StepStats:
         """The step's gauges now; its per-sequence counts are filled in by `_account` later."""
+        # Taken, not read: a step planned ahead runs no schedule(), which would have reset it, and
+        # would count the previous step's preemptions again.
+        preempted, self.scheduler.num_preemptions_step = self.scheduler.num_preemptions_step, 0
         return StepStats(
             step=self._step,
             num_running=self.scheduler.num_running,
@@ -334,7 +337,7 @@ class EngineCore:
             num_scheduled_tokens=0,
             num_prompt_tokens=0,
             num_generation_tokens=0,
-            num_preemptions=self.scheduler.num_preemptions_step,
+            num_preemptions=preempted,
             num_finished=0,
             num_draft_tokens=0,
             num_accepted_tokens=0,

@@ -10,13 +10,14 @@ Gateway API Inference Extension names (`vllm:*`, with a colon) are exported.
 With several API-server processes (`--api-server-count N`, `api_server_index` set) the
 request-level series live in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR,
 made by the launcher) and /metrics merges every process's (`scrape_registry`): counters and
-histograms are summed. The engine series stay scrape-time reads of the answering process's
-mirror of the core's stats, so they are never in those files and never summed N times; for the
-same reason the speculative-decoding counters then come from that mirror too. An API server with
-nothing new in a step (none of its requests' outputs, the same waiting count) gets the core's
-stats only every shared_core.STATS_INTERVAL_S (0.1 s) and when the core goes idle, so its mirror
-may be that stale; the StepStats of the steps it skipped come with the next message, so the
-speculative-decoding counters still count every step once.
+histograms are summed. The engine's gauges stay scrape-time reads of the answering process's
+mirror of the core's stats, so they are never in those files and never summed N times. An API
+server with nothing new in a step (none of its requests' outputs, the same waiting count) gets
+the core's stats only every shared_core.STATS_INTERVAL_S (0.1 s) and when the core goes idle, so
+its mirror may be that stale. A counter read from two processes' mirrors could then go back
+between scrapes, which Prometheus takes for a reset: the engine's counters (speculative decoding,
+preemptions) are instead counted from the StepStats every process receives (those of steps it
+skipped come with the next message), by API server 0 alone, into the multiprocess files.
 `pagedinfer_api_server_requests_total{api_server}` shows how requests spread over the processes.
 """
 
@@ -117,12 +118,9 @@ _STAT_GAUGES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("kv_total_blocks", "num_total_blocks"), KV_TOTAL_BLOCKS, "KV-cache blocks in the pool."),
 )
 # engine.stats() cumulative keys -> counter name.
+_PREEMPTIONS_DOC = "Requests preempted to free KV blocks."
 _STAT_COUNTERS: tuple[tuple[tuple[str, ...], str, str], ...] = (
-    (
-        ("preemptions_total", "num_preemptions_total"),
-        PREEMPTIONS_TOTAL,
-        "Requests preempted to free KV blocks.",
-    ),
+    (("preemptions_total", "num_preemptions_total"), PREEMPTIONS_TOTAL, _PREEMPTIONS_DOC),
 )
 
 
@@ -151,11 +149,11 @@ class _EngineStatsCollector(Collector):
         is_ready: Callable[[], bool],
         spec: Callable[[], tuple[float, float]],
         vllm_names: bool,
-        spec_totals: Callable[[], tuple[int, int]] | None = None,
+        stat_counters: bool = True,
     ):
         self._model = model
         self._spec = spec  # () -> (acceptance ratio, mean accepted length)
-        self._spec_totals = spec_totals  # () -> (draft, accepted) tokens: counters from the mirror
+        self._stat_counters = stat_counters  # (False: counted from StepStats instead)
         self._stats = stats
         self._is_ready = is_ready
         self._vllm_names = vllm_names
@@ -172,17 +170,10 @@ class _EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, doc, labels=["model"])
             family.add_metric(labels, _stat(stats, keys))
             yield family
-        for keys, name, doc in _STAT_COUNTERS:
+        for keys, name, doc in _STAT_COUNTERS if self._stat_counters else ():
             family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
             family.add_metric(labels, _stat(stats, keys))
             yield family
-        if self._spec_totals is not None:
-            docs = ("Draft tokens proposed.", "Draft tokens accepted.")
-            names = (SPEC_DRAFT_TOKENS_TOTAL, SPEC_ACCEPTED_TOKENS_TOTAL)
-            for name, doc, value in zip(names, docs, self._spec_totals(), strict=True):
-                family = CounterMetricFamily(_counter_family(name), doc, labels=["model"])
-                family.add_metric(labels, value)
-                yield family
         acceptance, mean_length = self._spec()
         accept = GaugeMetricFamily(
             SPEC_ACCEPTANCE, "Accepted / proposed draft tokens (0..1).", labels=["model"]
@@ -268,13 +259,20 @@ class ServingMetrics:
         self._api_server_requests = None
         if self.is_multiprocess:
             self._init_multiprocess(str(api_server_index))
-        else:  # several processes each count every step: the mirror's totals are exported instead
-            self.spec_draft = Counter(
-                _counter_family(SPEC_DRAFT_TOKENS_TOTAL), "Draft tokens proposed.", labels, registry=r
-            )
-            self.spec_accepted = Counter(
-                _counter_family(SPEC_ACCEPTED_TOKENS_TOTAL), "Draft tokens accepted.", labels, registry=r
-            )
+        self.spec_draft = Counter(
+            _counter_family(SPEC_DRAFT_TOKENS_TOTAL), "Draft tokens proposed.", labels, registry=r
+        )
+        self.spec_accepted = Counter(
+            _counter_family(SPEC_ACCEPTED_TOKENS_TOTAL), "Draft tokens accepted.", labels, registry=r
+        )
+        # Every process sees every step: one counts the engine's step counters into the shared
+        # files (summed over processes), the others only create the series at 0.
+        self._counts_steps = api_server_index in (None, 0)
+        self._preemptions = None
+        if self.is_multiprocess:  # (one process: read from the engine's stats at scrape time)
+            self._preemptions = Counter(
+                _counter_family(PREEMPTIONS_TOTAL), _PREEMPTIONS_DOC, labels, registry=r
+            ).labels(model)
         # The per-model series, looked up once: `labels()` costs a lock and a dict lookup per
         # call, ~11 calls per request and one per streamed output otherwise. Created here, they
         # also exist (at zero) from the first scrape, not only after the first request.
@@ -285,11 +283,9 @@ class ServingMetrics:
         self._prompt_total, self._gen_total = (
             counter.labels(model) for counter in (self.prompt_total, self.gen_total)
         )
-        self._spec_draft = self._spec_accepted = None
-        if not self.is_multiprocess:
-            self._spec_draft, self._spec_accepted = (
-                counter.labels(model) for counter in (self.spec_draft, self.spec_accepted)
-            )
+        self._spec_draft, self._spec_accepted = (
+            counter.labels(model) for counter in (self.spec_draft, self.spec_accepted)
+        )
         self._requests_by_reason: dict[str, Any] = {}
 
     def _init_multiprocess(self, api_server: str) -> None:
@@ -307,17 +303,23 @@ class ServingMetrics:
 
     def attach_engine(self, stats: StatsSource, is_ready: Callable[[], bool]) -> None:
         """Export the engine's scrape-time series; call once, before serving /metrics."""
-        spec_totals = self._spec_totals if self.is_multiprocess else None
         collector = _EngineStatsCollector(
-            self.model, stats, is_ready, self._spec_gauges, self._enable_vllm_metrics, spec_totals
+            self.model,
+            stats,
+            is_ready,
+            self._spec_gauges,
+            self._enable_vllm_metrics,
+            not self.is_multiprocess,
         )
         self.scrape_registry.register(collector)
 
     def on_step(self, step: StepStats) -> None:
         """Engine step listener (runs on the engine thread; prometheus_client is thread-safe)."""
+        if self._preemptions is not None and self._counts_steps and step.num_preemptions:
+            self._preemptions.inc(step.num_preemptions)
         if not step.num_draft_tokens:
             return
-        if self._spec_draft is not None:
+        if self._counts_steps:
             self._spec_draft.inc(step.num_draft_tokens)
             self._spec_accepted.inc(step.num_accepted_tokens)
         with self._spec_lock:
@@ -338,10 +340,6 @@ class ServingMetrics:
 
     def _spec_gauges(self) -> tuple[float, float]:
         return self.acceptance_ratio(), self.mean_accepted_length()
-
-    def _spec_totals(self) -> tuple[int, int]:
-        with self._spec_lock:
-            return self._num_draft_tokens, self._num_accepted_tokens
 
     def observe_step_gap(self, seconds: float, num_new_tokens: int) -> None:
         if num_new_tokens > 0:

@@ -371,3 +371,77 @@ def test_a_dead_engine_core_fails_the_probes_of_every_api_server(server_proc_cls
         assert r.status_code == 503, r.text
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
+
+
+async def _complete_repetitive(base_url: str, model: str, num_streams: int, max_tokens: int) -> None:
+    """Streams whose prompt the tiny model's continuation repeats (n-gram drafts match)."""
+
+    async def one(i: int) -> None:
+        async with openai.AsyncOpenAI(
+            base_url=base_url, api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            stream = await client.completions.create(
+                model=model,
+                prompt="ab " * (12 + i),
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for _ in stream:
+                pass
+
+    await asyncio.gather(*(one(i) for i in range(num_streams)))
+
+
+def test_engine_counters_never_go_back_between_scrapes_of_different_processes(
+    server_proc_cls, tiny_model
+) -> None:
+    """Each scrape on a new connection may land on either process, whose mirrors of the core
+    lag by up to 0.1 s: a counter read from them went back between scrapes (a reset to
+    Prometheus). The speculative-decoding and preemption counters are counted once, from the
+    steps, so every scrape sees one nondecreasing series, and the same value on both processes
+    once idle."""
+    args = ("--api-server-count", "2", "--speculative-method", "ngram", "--num-speculative-tokens", "3")
+    proc = server_proc_cls(model=tiny_model, extra_args=(*args, "--num-blocks", "40")).start()
+    names = (
+        ("pagedinfer_spec_decode_draft_tokens", "pagedinfer_spec_decode_draft_tokens_total"),
+        ("pagedinfer_spec_decode_accepted_tokens", "pagedinfer_spec_decode_accepted_tokens_total"),
+        ("pagedinfer_preemptions", "pagedinfer_preemptions_total"),
+    )
+
+    def scrape() -> tuple[float, ...]:
+        metrics = _metrics(proc)  # (httpx.get: a new connection each time)
+        assert all(len(metrics[family]) == 1 for family, _ in names)  # one series, not one per process
+        return tuple(_value(metrics[family], sample) for family, sample in names)
+
+    try:
+        proc.wait_ready()
+        model = httpx.get(f"{proc.http}/v1/models", timeout=10).json()["data"][0]["id"]
+        seen: list[tuple[float, ...]] = []
+        done = threading.Event()
+
+        def scrape_until_done() -> None:
+            while not done.is_set():
+                seen.append(scrape())
+
+        with ThreadPoolExecutor(1) as pool:
+            scraping = pool.submit(scrape_until_done)
+            try:
+                # One stream at a time: the process that does not serve it gets the core's stats
+                # only every 0.1 s, so the two mirrors differ most of the time.
+                for _ in range(3):
+                    asyncio.run(_complete_repetitive(f"{proc.http}/v1", model, 1, max_tokens=300))
+            finally:
+                done.set()
+            scraping.result()
+        proc.wait_idle()
+        idle = [scrape() for _ in range(8)]
+    finally:
+        assert proc.stop() == 0, proc.log()[-3000:]
+    series = seen + idle
+    assert len(seen) > 10 and idle[0][0] > 0, (len(seen), idle[0])  # drafts were counted
+    for i in range(len(names)):
+        values = [s[i] for s in series]
+        assert values == sorted(values), (names[i][1], values)
+    assert len(set(idle)) == 1, idle
