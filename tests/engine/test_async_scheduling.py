@@ -132,6 +132,8 @@ def test_random_arrivals_aborts_and_preemptions_leave_no_block_behind(tiny_llama
             tiny_llama_dir, async_scheduling, num_blocks=40, max_num_batched_tokens=32, max_num_seqs=6
         )
         core, rng = llm.core, random.Random(3)
+        steps = []
+        core.add_step_listener(steps.append)
         live: list[str] = []
         aborted: set[str] = set()
         tokens: dict[str, dict[int, list[int]]] = {}
@@ -165,6 +167,8 @@ def test_random_arrivals_aborts_and_preemptions_leave_no_block_behind(tiny_llama
         kv = core.scheduler.kv
         assert kv.num_free_blocks == kv.num_blocks
         assert len(core.outputs) == 0
+        # each preemption in exactly one step's stats (a step planned ahead runs no schedule())
+        assert sum(s.num_preemptions for s in steps) == core.scheduler.num_preemptions_total > 0
         if async_scheduling:
             assert core.num_lookahead_steps > 20
     assert results[True] == results[False] and len(results[True]) > 20
