@@ -59,6 +59,7 @@ class _Pending:
     updates: list[SequenceUpdate]
     finished: list[Request]
     snapshot: StepStats  # gauges taken at the end of the step
+    num_cut: int = 0  # tokens a stop string cut from the updates an abort output early
 
 
 def _freeze_startup_objects() -> None:
@@ -170,9 +171,9 @@ class EngineCore:
         )
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        """Finish the request now (its blocks are freed); returns its final output, if any, after
-        the last step's outputs (every request's: those of the aborted one are tokens its usage
-        counts, which the flush after the abort would drop with its state)."""
+        """Finish the request now (its blocks are freed); returns its final output, if any. It
+        carries the request's tokens of the last step, whose outputs are still pending: its usage
+        counts them, and the flush after the abort would drop them with the request's state."""
         aborted = self.scheduler.abort_request(request_id)
         if not aborted:
             return []
@@ -181,7 +182,13 @@ class EngineCore:
             # draft state is otherwise freed by the step after, which a failed launch never ran).
             for seq in aborted:
                 self.spec_decoder.free(seq.seq_id)
-        return self._flush_pending() + self.outputs.process([], aborted)
+        pending = self._pending
+        mine = [u for u in pending.updates if u.request_id == request_id] if pending is not None else []
+        cut = self.outputs.num_cut_tokens
+        outputs = self.outputs.process(mine, aborted)  # (the flush then skips them: no state)
+        if pending is not None:  # the step is accounted at its flush, these cut tokens with it
+            pending.num_cut += self.outputs.num_cut_tokens - cut
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None or self._inflight is not None
@@ -322,7 +329,8 @@ class EngineCore:
         cut, stopped = self.outputs.num_cut_tokens, self.outputs.num_stopped
         outputs = self.outputs.process(pending.updates, pending.finished)
         # (tokens past a stop string are not generated output; its sequence finished here)
-        self._account(pending, self.outputs.num_cut_tokens - cut, self.outputs.num_stopped - stopped)
+        num_cut = self.outputs.num_cut_tokens - cut + pending.num_cut
+        self._account(pending, num_cut, self.outputs.num_stopped - stopped)
         return outputs
 
     def _snapshot(self) -> StepStats:

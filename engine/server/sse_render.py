@@ -114,8 +114,11 @@ class SseRenderer:
         if d.logprobs is None:
             logprobs = "null"
         else:
-            logprobs = _dumps(completion_logprobs(d.logprobs, self._offsets.get(d.index, 0)))
-        self._offsets[d.index] = self._offsets.get(d.index, 0) + len(d.text)
+            offset = self._offsets.get(d.index, 0)
+            logprobs = _dumps(completion_logprobs(d.logprobs, offset))
+            # By the tokens' text, as the whole response counts it: the delta's text may hold
+            # back the start of a possible stop string, or release text held back before.
+            self._offsets[d.index] = offset + sum(len(lp.sampled.token) for lp in d.logprobs)
         return (
             f'{{"index":{d.index:d},"text":{_quote(d.text)},"logprobs":{logprobs},'
             f'"finish_reason":{_finish_json(d)}}}'
