@@ -69,7 +69,8 @@ def _reference(outs: list[RequestOutput], obj: str, include_usage: bool) -> list
             finish = d.finish_reason.value if d.finish_reason else None
             if obj == "text_completion":
                 lp = completion_logprobs(d.logprobs, offsets.get(d.index, 0))
-                offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+                if d.logprobs is not None:  # offsets by the tokens' text, as the whole response's
+                    offsets[d.index] = offsets.get(d.index, 0) + sum(len(x.sampled.token) for x in d.logprobs)
                 choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": finish}
             else:
                 delta = {"content": d.text} | ({} if d.index in started else {"role": "assistant"})
@@ -125,3 +126,19 @@ def test_finished_output_without_deltas_still_ends_the_stream() -> None:
     out = RequestOutput("r", [], finished=True, usage=Usage(2, 0), timing=TIMING)
     events = _parse(SseRenderer("c", 1, "m", "chat.completion.chunk", True).render(out))
     assert events[-1] == "[DONE]" and events[0]["choices"] == [] and events[0]["usage"]["total_tokens"] == 2
+
+
+def test_streamed_text_offsets_follow_the_tokens_when_text_is_held_back() -> None:
+    # " was" may start the stop string " was it": the first delta holds its text back, the next
+    # releases it with its own token's. text_offset must be the non-streamed response's.
+    tokens = ["It", " was", " late"]
+    deltas = [([0], "It"), ([1], ""), ([2], " was late")]
+    renderer = SseRenderer("cmpl-1", 1700000000, "m", "text_completion", include_usage=False)
+    offsets = []
+    for ids, text in deltas:
+        lp = [_lp(tokens[j], -0.5) for j in ids]
+        out = RequestOutput("r", [CompletionDelta(index=0, text=text, token_ids=ids, logprobs=lp)])
+        (event,) = [e for e in _parse(renderer.render(out)) if isinstance(e, dict)]
+        offsets += event["choices"][0]["logprobs"]["text_offset"]
+    whole = [_lp(token, -0.5) for token in tokens]
+    assert offsets == completion_logprobs(whole)["text_offset"] == [0, 2, 6]
