@@ -189,8 +189,10 @@ class SpeculativeDecoder:
         # One step emits up to k + 1 tokens: stay within max_tokens and the context. Except for a
         # seeded request whose drafts are draws (a draft model's): a chained step, which cannot
         # see max_tokens, verifies all k there, and an accepted draw is another token than the
-        # target's own; drafting k here too keeps its tokens the same whichever step decides them
-        # (the tokens past max_tokens are dropped).
+        # target's own; drafting k here too gives the same tokens near max_tokens whichever kind
+        # of step decides them (the tokens past max_tokens are dropped). (Elsewhere the two
+        # still differ where a chained step verifies drafts of a sequence the policy paused and a
+        # synchronous step would not draft: both exact samples, other draws.)
         keep_k = (
             seq.seed is not None and not params.is_greedy and getattr(self.proposer, "draws_drafts", False)
         )

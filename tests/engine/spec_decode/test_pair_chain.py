@@ -318,7 +318,8 @@ def test_sampled_requests_ride_the_pairs_chains(tiny_llama_dir, sched):
     chained_out, chained_checks = _generate(llm, ps, params)
     # Every token the same draw, up to max_tokens: near it a seeded request's drafts stay K in the
     # synchronous pair too, as in a chained step (before, it drafted fewer there, and a token
-    # could be an accepted draft in one and the target's own draw in the other).
+    # could be an accepted draft in one and the target's own draw in the other). (This workload
+    # pauses no sequence: a paused one still drafts in a chained step only, and may differ.)
     assert [len(t) for t in chained_out] == [p.max_tokens for p in params]
     assert chained_out == sync_out
     assert core.num_chained_steps > 10
