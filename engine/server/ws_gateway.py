@@ -9,6 +9,8 @@ Client -> server (JSON text frames):
 Server -> client:
   {"type": "hello", "model": ..., "max_model_len": ...}   once the connection is accepted (and authenticated)
   {"type": "delta", "id": "g1", "deltas": [{"index", "text", "token_ids", "finish_reason"}]}
+                                                      (+ "logprobs": [{"token", "logprob", "bytes",
+                                                      "top_logprobs"}] per token, when asked for)
   {"type": "done", "id": "g1", "finish_reasons": [...], "usage": {...}, "timing": {...}}
   {"type": "cancelled", "id": "g1"}
   {"type": "error", "id": "g1" | null, "error": {"message", "type", "code"}}
@@ -39,6 +41,7 @@ from pagedinfer.engine.server.generation import (
 )
 from pagedinfer.engine.server.openai_api import timing_dict, usage_dict
 from pagedinfer.engine.server.openai_protocol import DEFAULT_MAX_TOKENS, ChatMessageIn, _SamplingFields
+from pagedinfer.engine.server.sse_render import chat_logprobs
 
 logger = logging.getLogger("pagedinfer.server")
 MAX_GENERATIONS_PER_CONNECTION = 64
@@ -145,9 +148,10 @@ class _Connection:
                     fr = finish_reason_value(d.finish_reason) if d.finish_reason is not None else None
                     if fr is not None:
                         finish[d.index] = fr
-                    deltas.append(
-                        {"index": d.index, "text": d.text, "token_ids": d.token_ids, "finish_reason": fr}
-                    )
+                    delta = {"index": d.index, "text": d.text, "token_ids": d.token_ids, "finish_reason": fr}
+                    if d.logprobs is not None:  # (the chat API's per-token entries)
+                        delta["logprobs"] = chat_logprobs(d.logprobs)["content"]
+                    deltas.append(delta)
                 await self.send({"type": "delta", "id": gen_id, "deltas": deltas})
                 if out.finished:
                     reasons = [finish[i] for i in sorted(finish)]

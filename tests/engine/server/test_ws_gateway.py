@@ -141,3 +141,25 @@ def test_demo_page_streams_a_reply_in_chromium(server) -> None:
             assert page.inner_text("#ttft").endswith("s") and float(page.inner_text("#tps")) > 0
         finally:
             browser.close()
+
+
+async def test_logprobs_come_with_every_token(server) -> None:
+    ws = await _connect(server)
+    try:
+        msg = {"type": "generate", "id": "lp", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        await ws.send(json.dumps({**msg, "logprobs": 2, "ignore_eos": True}))
+        tokens, entries = [], []
+        while (event := await _recv(ws))["type"] == "delta":
+            for d in event["deltas"]:
+                tokens += d["token_ids"]
+                entries += d["logprobs"]
+        assert event["type"] == "done" and event["usage"]["completion_tokens"] == len(tokens) == 5
+        assert len(entries) == 5
+        for entry in entries:
+            assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+            assert max(t["logprob"] for t in entry["top_logprobs"]) == pytest.approx(
+                entry["logprob"]
+            )  # greedy
+    finally:
+        await ws.close()
+    server.wait_idle()
