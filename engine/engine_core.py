@@ -335,8 +335,8 @@ class EngineCore:
 
     def _snapshot(self) -> StepStats:
         """The step's gauges now; its per-sequence counts are filled in by `_account` later."""
-        # Taken, not read: a step planned ahead runs no schedule(), which would have reset it, and
-        # would count the previous step's preemptions again.
+        # Taken, not read (the only reset): every preemption lands in exactly one step's stats,
+        # also around steps planned ahead, which run no schedule().
         preempted, self.scheduler.num_preemptions_step = self.scheduler.num_preemptions_step, 0
         return StepStats(
             step=self._step,

@@ -38,8 +38,9 @@ class GemvConfig:
     num_warps: int
     num_stages: int
     # dot only: rows a program takes (16, 32 or 64); 0 puts every row in one tile. A latency-bound
-    # layer's time is its K loop, whatever the tile's rows: 40 rows as three 16-row programs a
-    # column tile run as fast as 16 rows do (bench/NOTES.md, session 23).
+    # layer's time is its K loop, whatever the tile's rows, so 40 rows as three 16-row programs a
+    # column tile should run about as fast as 16 rows do (predicted, not yet measured on a GPU:
+    # bench/NOTES.md, session 23).
     block_m: int = 0
 
 
@@ -260,7 +261,8 @@ def config_for(num_rows: int, n: int, k: int) -> GemvConfig | None:
             # the norm epilogues apply (linear_ops.uses_norm_epilogue) and no norm kernel runs.
             # SmolLM2 at 40 / 56 rows (H100, 2026-12-05 19:00): one 64-row tile ties with torch's
             # GEMM (4.1 / 3.8 / 4.7 / 5.5 us vs 4.2 / 3.8 / 4.8 / 5.3), ~0.3-0.8 us over 16 rows;
-            # 16-row blocks run each like the 2-16-row case. Its LM head on 64x64 tiles 32.0 vs
+            # 16-row blocks should each run like the 2-16-row case (not yet measured: session 23's
+            # A/B switch, PAGEDINFER_GEMV_ROW_BLOCKS=0, is for that). Its LM head on 64x64 tiles 32.0 vs
             # 33.6 (DOT_CONFIG's 32-wide tiles 43.6). Other small models' shapes are not measured.
             if n > 8192:
                 return SMALL_WIDE_ROWS_DOT_CONFIG

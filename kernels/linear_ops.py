@@ -49,7 +49,8 @@ SMALL_MODEL_MAX_K = 2048  # gemv.config_for's small-model rules apply up to this
 class Prenormed:
     """A block output whose next RMSNorm is half done (kernels/norm_epilogue.py): h [M, K] the
     residual stream, u = h * g [M, K] (g that norm's weight), partial sums of h^2 [programs, R]
-    (R: M rounded up to 16, 32 or 64)."""
+    (R: M rounded up to 16, 32 or 64). Only rows [:M] are meaningful: with row blocks
+    (gemv.row_block) the rows past the last block's are never written."""
 
     h: torch.Tensor
     u: torch.Tensor

@@ -51,7 +51,7 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int]] = []  # COW copies owed to the next step
         self._running_sorted = True  # running is in (priority desc, admit order) order
         self.num_preemptions_total = 0
-        self.num_preemptions_step = 0
+        self.num_preemptions_step = 0  # since the engine last took it (its step stats)
 
     # ---- queue management -------------------------------------------------------------------
     @property
@@ -131,7 +131,6 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Build one step's batch under the token budget and the sequence cap."""
-        self.num_preemptions_step = 0
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         copies, self._pending_copies = self._pending_copies, []

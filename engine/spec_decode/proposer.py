@@ -23,7 +23,9 @@ class DraftRequest:
     """One sequence to draft for: its tokens live in `row` (prompt_token_ids + output_token_ids)."""
 
     row: SamplingRow
-    max_draft_tokens: int  # >= 1; already capped by max_tokens and the context length
+    # >= 1; already capped by the context length, and by max_tokens except for seeded sampled
+    # requests of a proposer that draws its drafts (SpeculativeDecoder._max_drafts says why)
+    max_draft_tokens: int
     eos_token_ids: tuple[int, ...] = ()  # for min_tokens bans when processing q like p
 
     @property
