@@ -38,9 +38,8 @@ class GemvConfig:
     num_warps: int
     num_stages: int
     # dot only: rows a program takes (16, 32 or 64); 0 puts every row in one tile. A latency-bound
-    # layer's time is its K loop, whatever the tile's rows, so 40 rows as three 16-row programs a
-    # column tile should run about as fast as 16 rows do (predicted, not yet measured on a GPU:
-    # bench/NOTES.md, session 23).
+    # layer's time is its K loop, whatever the tile's rows: SmolLM2's qkv, o and down at 40 rows
+    # as 16-row blocks run within 0.1-0.2 us of 16 rows (bench/NOTES.md, session 23).
     block_m: int = 0
 
 
@@ -179,9 +178,9 @@ LONG_K_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=512, num_warps=4, num_
 # / 4.76 us against DOT_CONFIG's 3.87 / 3.63 / 5.37; the LM head (49152 x 576) 31.5 vs 33.4 us.
 SMALL_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=256, num_warps=2, num_stages=4)
 SMALL_VOCAB_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=128, num_warps=2, num_stages=6)
-# and for 17-64 rows of a small model (config_for says why): the 2-16-row tiles over 16-row blocks
-SMALL_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=256, num_warps=2, num_stages=4, block_m=16)
-SMALL_MID_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=32, block_k=128, num_warps=4, num_stages=6, block_m=16)
+# and for 17-64 rows of a small model (config_for says why): two-warp 16x128 tiles over 16-row
+# blocks where N <= 2048, one 64x64 tile for a vocabulary
+SMALL_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=16, block_k=128, num_warps=2, num_stages=6, block_m=16)
 SMALL_WIDE_ROWS_DOT_CONFIG = GemvConfig("dot", block_n=64, block_k=64, num_warps=4, num_stages=6)
 DEFAULT_CONFIG = WIDE_CONFIG
 # PAGEDINFER_GEMV_ROW_BLOCKS=0: a small model's 17-64 rows in one tile, as before the row blocks
@@ -259,16 +258,14 @@ def config_for(num_rows: int, n: int, k: int) -> GemvConfig | None:
         if k <= SMALL_MODEL_MAX_K:
             # a small model's batch-8 verification (40-56 rows): the kernel for every N, so that
             # the norm epilogues apply (linear_ops.uses_norm_epilogue) and no norm kernel runs.
-            # SmolLM2 at 40 / 56 rows (H100, 2026-12-05 19:00): one 64-row tile ties with torch's
-            # GEMM (4.1 / 3.8 / 4.7 / 5.5 us vs 4.2 / 3.8 / 4.8 / 5.3), ~0.3-0.8 us over 16 rows;
-            # 16-row blocks should each run like the 2-16-row case (not yet measured: session 23's
-            # A/B switch, PAGEDINFER_GEMV_ROW_BLOCKS=0, is for that). Its LM head on 64x64 tiles 32.0 vs
-            # 33.6 (DOT_CONFIG's 32-wide tiles 43.6). Other small models' shapes are not measured.
+            # SmolLM2 at 40 / 56 rows (H100, 2026-12-05 22:12, bench/NOTES.md session 23): 16x128
+            # tiles over 16-row blocks, qkv 3.79 / 3.78 us, o 3.39 / 3.46, down 4.72 / 4.87, against
+            # one 64-row tile (DOT_CONFIG) 4.11 / 4.13, 3.81 / 3.86, 5.50 / 5.53 and torch's GEMM
+            # 4.1, 3.8-3.9, 5.2-5.3. gate_up (3072 wide) keeps one tile: 4.75 vs 5.8-5.9 in blocks.
+            # The LM head on 64x64 tiles 31.8 vs torch 33.8. Other small models are not measured.
             if n > 8192:
                 return SMALL_WIDE_ROWS_DOT_CONFIG
-            if not ROW_BLOCKS:
-                return DOT_CONFIG
-            return SMALL_ROWS_DOT_CONFIG if n <= 2048 else SMALL_MID_ROWS_DOT_CONFIG
+            return SMALL_ROWS_DOT_CONFIG if n <= 2048 and ROW_BLOCKS else DOT_CONFIG
         if k < 4096:
             return None  # (measured at the 8B shapes only: mid-size models keep torch's GEMM here)
         if n > 32768:
