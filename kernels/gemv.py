@@ -118,11 +118,15 @@ def dot_rows(
 
 
 @triton.jit
-def block_of(pid, M, BLOCK_M: tl.constexpr):
-    """(row block, column tile) of a dot program on a 1-D grid of row blocks x column tiles: a
-    column tile's row blocks are neighbours in launch order (and one axis has no 65535 cap)."""
+def program_tile(M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows rm, columns rn, column tile) of a dot program on the 1-D grid `dot_grid` launches:
+    row blocks x column tiles, a column tile's row blocks neighbours in launch order (and one
+    axis has no 65535 cap)."""
     row_blocks = tl.cdiv(M, BLOCK_M)
-    return pid % row_blocks, pid // row_blocks
+    pid = tl.program_id(0)
+    col_tile = pid // row_blocks
+    rm = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rm, col_tile * BLOCK_N + tl.arange(0, BLOCK_N), col_tile
 
 
 @triton.jit
@@ -142,9 +146,7 @@ def _gemv_dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    row_block, col_tile = block_of(tl.program_id(0), M, BLOCK_M)
-    rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, _ = program_tile(M, BLOCK_M, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     acc = dot_rows(x_ptr, w_ptr, rm, rn, K, stride_xm, stride_wn, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -225,21 +227,31 @@ def gemv(
         y.stride(0),
     )
     if config.variant == "dot":
-        block_m = row_block(config, num_rows)
-        grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(n, config.block_n),)
+        grid, block_m = dot_grid(config, num_rows, n)
         _gemv_dot_kernel[grid](*args, BLOCK_M=block_m, **common)
     else:
         _gemv_reduce_kernel[(triton.cdiv(n, config.block_n),)](*args, **common)
     return y
 
 
+def padded_rows(num_rows: int) -> int:
+    """The rows rounded up to 16, 32 or 64 (tl.dot wants at least 16): one tile of every row."""
+    return max(16, triton.next_power_of_2(num_rows))
+
+
 def row_block(config: GemvConfig, num_rows: int) -> int:
-    """A dot program's row tile: the config's block_m, at most the rows rounded up to 16, 32 or 64
-    (tl.dot wants at least 16)."""
+    """A dot program's row tile: the config's block_m, at most padded_rows (which it divides)."""
     if config.block_m not in (0, 16, 32, 64):
         raise ValueError(f"block_m is 0, 16, 32 or 64, got {config.block_m}")
-    rows = max(16, triton.next_power_of_2(num_rows))
+    rows = padded_rows(num_rows)
     return min(config.block_m, rows) if config.block_m else rows
+
+
+def dot_grid(config: GemvConfig, num_rows: int, n: int) -> tuple[tuple[int], int]:
+    """(grid, BLOCK_M) of a dot kernel's launch (this one's and kernels/norm_epilogue.py's): a
+    program per row block and column tile, as `program_tile` reads them."""
+    block_m = row_block(config, num_rows)
+    return (triton.cdiv(num_rows, block_m) * triton.cdiv(n, config.block_n),), block_m
 
 
 # 17-64 rows (a batch-8 verification: 8 x (K + 1)), from the H200 sweep of 2026-12-04 12:20

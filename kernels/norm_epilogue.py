@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedinfer.kernels.gemv import GemvConfig, block_of, dot_rows, row_block
+from pagedinfer.kernels.gemv import GemvConfig, dot_grid, dot_rows, padded_rows, program_tile
 from pagedinfer.kernels.linear_ops import NORM_EPILOGUE_MAX_ROWS as MAX_ROWS
 from pagedinfer.kernels.linear_ops import Prenormed  # what add_prenorm returns (no Triton there)
 
@@ -51,10 +51,8 @@ def _add_prenorm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    row_block, col_tile = block_of(tl.program_id(0), M, BLOCK_M)  # as gemv's dot kernel
+    rm, rn, col_tile = program_tile(M, BLOCK_M, BLOCK_N)  # as gemv's dot kernel
     dtype = h_ptr.dtype.element_ty
-    rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -93,9 +91,7 @@ def _rstd_linear_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    row_block, col_tile = block_of(tl.program_id(0), M, BLOCK_M)
-    rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, _ = program_tile(M, BLOCK_M, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
     rp = tl.arange(0, BLOCK_P)
@@ -114,12 +110,6 @@ def _rstd_linear_kernel(
         acc.to(y_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
     )
-
-
-def block_rows(rows: int) -> int:
-    """The partials' row stride: the rows rounded up to 16, 32 or 64. Fixed by the rows alone, so
-    the two kernels of a pair may take different row blocks (gemv.row_block, which divides it)."""
-    return max(16, triton.next_power_of_2(rows))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> None:
@@ -142,12 +132,15 @@ def add_prenorm(
     _check(x, weight, config)
     rows, k = x.shape
     n = weight.shape[0]
-    programs = triton.cdiv(n, config.block_n)
-    block_m = row_block(config, rows)
+    grid, block_m = dot_grid(config, rows, n)
     h = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     u = torch.empty_like(h)
-    partials = torch.empty((programs, block_rows(rows)), dtype=torch.float32, device=x.device)
-    _add_prenorm_kernel[(triton.cdiv(rows, block_m) * programs,)](
+    # [column tiles, R]: R fixed by the rows alone (not by the row block), so the two kernels of a
+    # pair may take different row blocks
+    partials = torch.empty(
+        (triton.cdiv(n, config.block_n), padded_rows(rows)), dtype=torch.float32, device=x.device
+    )
+    _add_prenorm_kernel[grid](
         x,
         weight,
         residual,
@@ -161,7 +154,7 @@ def add_prenorm(
         x.stride(0),
         weight.stride(0),
         residual.stride(0),
-        PARTIALS_ROWS=block_rows(rows),
+        PARTIALS_ROWS=partials.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -185,10 +178,10 @@ def rstd_linear(
     n = weight.shape[0]
     y = torch.empty((rows, n), dtype=u.dtype, device=u.device)
     num_partials = pre.partials.shape[0]
-    if pre.partials.shape[1] != block_rows(rows):
+    if pre.partials.shape[1] != padded_rows(rows):
         raise ValueError(f"partials {tuple(pre.partials.shape)} are not those of {rows} rows")
-    block_m = row_block(config, rows)
-    _rstd_linear_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(n, config.block_n),)](
+    grid, block_m = dot_grid(config, rows, n)
+    _rstd_linear_kernel[grid](
         u,
         weight,
         pre.partials,
@@ -202,7 +195,7 @@ def rstd_linear(
         weight.stride(0),
         float(eps),
         HAS_BIAS=bias is not None,
-        PARTIALS_ROWS=block_rows(rows),
+        PARTIALS_ROWS=pre.partials.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
