@@ -158,6 +158,7 @@ class ModelRunner:
         self._prev_end: torch.cuda.Event | None = None
         self.gpu_idle_s_total = 0.0
         self.gpu_busy_s_total = 0.0
+        self.num_device_steps = 0  # forward passes launched (a chained step counts each of its)
 
     def capture_cuda_graphs(self) -> None:
         if not (self.config.enable_cuda_graphs and self.config.device.type == "cuda"):
@@ -197,6 +198,7 @@ class ModelRunner:
         """
         if sched.is_empty:
             return None
+        self.num_device_steps += sched.num_device_steps
         if sched.block_copies:
             copies = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.config.device)
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], copies)
