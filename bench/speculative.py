@@ -14,7 +14,9 @@ sampling for n-gram; the pair's rejection sampling draws other noise than plain 
   (c) selfdraft (CPU notes only): SmolLM2 verified by a subset of its own layers.
 For each row: acceptance alpha (solved from the mean tokens emitted per verifying step), c (one
 draft token's proposer time / one plain decode step of the same batch, same run), K, the
-theoretical speedup (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1)) and measured / theoretical.
+theoretical speedup (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1)) and measured / theoretical;
+over the steps with the whole batch running, that ratio splits into the tokens a forward pass
+gave over the formula's (`tok/f`) and a verifying forward pass's time over a plain one's (`vstep`).
 
     python -P bench/speculative.py --device cuda --model /path/smollm2.gguf --out OUT   # GPU: (a) + (b)
     python -P bench/speculative.py --workloads pair --smoke --out /tmp/x                 # CPU smoke of (b)
@@ -41,6 +43,7 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     Timed,
     decode_ms_per_token,
     draft_accounting,
+    full_batch_device_step_ms,
     full_batch_speedup,
     full_batch_tokens_per_seq_step,
     full_steps,
@@ -236,6 +239,27 @@ def measure(
         "all_steps": sum(1 for s in fast.steps if s["pure_decode"]),
         "measured_speedup_full_batch": steady,
         "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
+        **step_cost_split(base, fast, len(prompts), theory * (k * c + 1)),
+    }
+
+
+def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
+    """The full-batch ratio as (tokens a device step gave / the formula's) over (a verifying
+    device step's time / a plain one's): the first is the workload (steps with no n-gram match,
+    device steps of a chain past a sequence's end), the second the implementation (the formula
+    takes 1 + K c: a plain step plus the drafts). `formula_tokens`: (1 - alpha^(K+1)) / (1 - alpha)."""
+    base_ms, spec_ms = full_batch_device_step_ms(base, batch), full_batch_device_step_ms(fast, batch)
+    growth = full_batch_tokens_per_seq_step(fast, batch)
+    after = full_steps(fast, batch)[1:]
+    passes = sum(s.get("device_steps", 0) for s in after)
+    if None in (base_ms, spec_ms, growth) or not passes:
+        return {}
+    per_device_step = growth * len(after) / passes  # tokens a sequence gained per forward pass
+    return {
+        "full_batch_device_step_ms": [base_ms, spec_ms],
+        "verify_step_cost": round(spec_ms / base_ms, 3),
+        "full_batch_tokens_per_device_step": round(per_device_step, 3),
+        "tokens_over_formula": round(per_device_step / formula_tokens, 3),
     }
 
 

@@ -131,6 +131,18 @@ def full_batch_speedup(base, fast, batch: int) -> float | None:
     return round(fast_rate / base_rate, 3)
 
 
+def full_batch_device_step_ms(run, batch: int) -> float | None:
+    """Host time over the forward passes launched in the full-batch window of
+    `full_batch_speedup` (its steps after the first): one device step's time, plain or
+    verifying, while every sequence runs."""
+    growth = _full_batch_growth(run, batch)
+    if growth is None:
+        return None
+    _, after = growth
+    passes = sum(s.get("device_steps", 0) for s in after)
+    return round(sum(s["ms"] for s in after) / passes, 4) if passes else None
+
+
 def step_mean_max(run, batch: int) -> list[float] | None:
     steps = [s["ms"] for s in full_steps(run, batch)]
     return [round(statistics.mean(steps), 3), round(max(steps), 3)] if steps else None
@@ -169,7 +181,7 @@ def summary(results: dict) -> str:
     lines = [f"speculative decoding on {results['machine']['device']} (greedy)"]
     lines.append(
         f"{'workload':9} {'B':>2} {'K':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>15} {'alpha':>6} "
-        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'req.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same idle"
+        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'req.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'vstep':>6} {'tok/f':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same idle"
     )
     for name, workload in results["workloads"].items():
         if "skipped" in workload:
@@ -182,6 +194,7 @@ def summary(results: dict) -> str:
                 f"{r['measured_over_theoretical']:>6} {r.get('request_speedup', '-')!s:>6} "
                 f"{r.get('request_over_theoretical', '-')!s:>6} {r.get('measured_speedup_full_batch')!s:>6} "
                 f"{r.get('full_batch_over_theoretical')!s:>6} "
+                f"{r.get('verify_step_cost', '-')!s:>6} {r.get('tokens_over_formula', '-')!s:>6} "
                 f"{r.get('refilled_speedup', '-')!s:>6} {r.get('refilled_over_theoretical', '-')!s:>6} "
                 f"{r.get('full_batch_steps', '-')!s:>3}/{r.get('all_steps', '-')!s:<3} "
                 f"{r.get('paused_sequence_steps', '-')!s:>6} {r['identical_outputs']!s:5} "

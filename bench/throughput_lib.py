@@ -66,6 +66,7 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
             and not core.scheduler.waiting
             and all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
         )
+        forwards = getattr(runner, "num_device_steps", 0)
         t0 = time.perf_counter()
         for out in core.step():
             for d in out.deltas:
@@ -75,6 +76,9 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
         ms = (time.perf_counter() - t0) * 1e3
         phases = getattr(core, "last_step_phases", None)
         step = {"ms": ms, "batch": batch, "kv_tokens": kv_tokens, "pure_decode": pure}
+        # forward passes launched in this step (a chained speculative step launches several; an
+        # async step launches the next one's, so a window of steps is off by at most one step's)
+        step["device_steps"] = getattr(runner, "num_device_steps", 0) - forwards
         if phases is not None:  # host ms per phase of this step (EngineCore.StepPhases)
             step["phases_ms"] = {k: getattr(phases, k) * 1e3 for k in phases.__slots__}
         steps.append(step)
