@@ -218,8 +218,12 @@ class GenerationService:
         try:
             first = await gen.__anext__()
         except BaseException:
+            # Never abort by id here: an error raised before the engine admitted the request
+            # (an id already in flight among them) would end the other request of that id. The
+            # engine's generator aborts what it admitted on its way out (AsyncEngine.generate's
+            # finally, on an error or on a cancel thrown into it); closing it covers the rest.
             self.handle.request_finished()
-            self.spawn_abort(engine, request_id, gen)
+            self.spawn_abort(None, request_id, gen)
             raise
         return GenerationStream(self, engine, request_id, first, gen)
 
@@ -235,7 +239,8 @@ class GenerationService:
         self, engine: Any, request_id: str, gen: Any, on_done: Callable[[], None] | None
     ) -> None:
         try:
-            await engine.abort(request_id)
+            if engine is not None:  # None: only close the generator
+                await engine.abort(request_id)
             await gen.aclose()
         finally:
             if on_done is not None:

@@ -19,10 +19,10 @@ from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutp
 from pagedinfer.engine.remote_core import RemoteBuilt, RemoteCore
 from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from pagedinfer.engine.server.auth import ApiKeyAuth
-from pagedinfer.engine.server.generation import GenerationService, PromptInput
+from pagedinfer.engine.server.generation import GenerationRequest, GenerationService, PromptInput
 from pagedinfer.engine.server.http_server import build_app
 from tests.engine.test_core_process import _ScriptedProcess, _step_message
-from tests.engine.test_engine_async import config
+from tests.engine.test_engine_async import config, started, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,3 +230,45 @@ async def test_error_mid_stream_is_an_event_then_done_ending_the_body() -> None:
     assert json.loads(events[1])["error"]["message"] == "internal error: RuntimeError: boom"
     bodies = [m for m in sent if m["type"] == "http.response.body"]
     assert [m["more_body"] for m in bodies] == [True, True, False]
+
+
+async def test_an_id_already_in_flight_is_refused_without_ending_the_request_that_holds_it(tiny_llama_dir):
+    """A second request reusing a running request's id gets InvalidRequestError, and the first
+    runs to its end: the refusal must not abort by id (a client could end others' requests)."""
+    engine = await started(tiny_llama_dir)
+    service = GenerationService(_Handle(engine), ServingMetrics("m"))
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = await service.open(GenerationRequest(PromptInput(token_ids=(5, 6, 7)), long, request_id="dup"))
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        await service.open(GenerationRequest(PromptInput(token_ids=(8, 9)), long, request_id="dup"))
+    await service.wait_background()
+    outs = []
+    async for out in first:  # the first output included
+        outs.append(out)
+    tokens = [t for o in outs for d in o.deltas for t in d.token_ids]
+    assert outs[-1].finished and outs[-1].deltas[-1].finish_reason is FinishReason.LENGTH
+    assert len(tokens) == 40 and service.handle.num_in_flight == 0
+    assert engine.stats()["kv_free_blocks"] == engine.stats()["kv_total_blocks"]
+    await engine.shutdown(1.0)
+
+
+async def test_a_request_cancelled_before_its_first_output_is_aborted(tiny_llama_dir):
+    """Cancelled while open() waits for the first output: the engine's generator aborts what it
+    admitted, so nothing keeps running or holds KV blocks."""
+    engine = await started(tiny_llama_dir)
+    service = GenerationService(_Handle(engine), ServingMetrics("m"))
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for delay in (0.0, 0.001, 0.005):
+        task = asyncio.create_task(service.open(GenerationRequest(PromptInput(token_ids=(5,) * 60), long)))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            stream = await task  # the first output came first: walk away from the stream instead
+            await stream.aclose()
+        except asyncio.CancelledError:
+            pass
+        await service.wait_background()
+        await until(lambda: engine.stats()["num_running"] + engine.stats()["num_waiting"] == 0)
+        assert engine.stats()["kv_free_blocks"] == engine.stats()["kv_total_blocks"]
+        assert service.handle.num_in_flight == 0
+    await engine.shutdown(1.0)
