@@ -54,6 +54,28 @@ class GenerationRequest:
     model: str | None = None  # None or "": the served model
 
 
+def check_unicode(request: GenerationRequest) -> None:
+    """Refuse lone UTF-16 surrogates (JSON escapes such as "\\ud800", which Python's json
+    accepts): they are not text, and the tokenizer or the UTF-8 reply would fail on them."""
+    fields: list[tuple[str, str | None]] = [("model", request.model), ("prompt", request.prompt.text)]
+    for i, message in enumerate(request.prompt.messages or ()):
+        fields += [(f"messages[{i}].role", message.role), (f"messages[{i}].content", message.content)]
+    fields += [(f"stop[{i}]", stop) for i, stop in enumerate(request.sampling_params.stop)]
+    for name, value in fields:
+        if value and not _is_unicode(value):
+            raise InvalidRequestError(
+                f"{name} is not valid Unicode: it holds a lone surrogate (U+D800-U+DFFF)"
+            )
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -204,6 +226,7 @@ class GenerationService:
     async def open(self, request: GenerationRequest) -> GenerationStream:
         """Start a generation; raises InvalidRequestError, NotServingError or the engine's overload error."""
         engine = self.handle.require_engine()
+        check_unicode(request)
         self.check_model(request.model)
         token_ids = self.prompt_token_ids(engine, request.prompt)
         self._check_length(engine, len(token_ids), request.sampling_params)

@@ -272,3 +272,24 @@ async def test_a_request_cancelled_before_its_first_output_is_aborted(tiny_llama
         assert engine.stats()["kv_free_blocks"] == engine.stats()["kv_total_blocks"]
         assert service.handle.num_in_flight == 0
     await engine.shutdown(1.0)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "\ud800 hi"}),
+        ("/v1/completions", {"prompt": ["\udfff"]}),
+        ("/v1/completions", {"prompt": [1, 2], "stop": ["\ud800"]}),
+        ("/v1/completions", {"prompt": [1, 2], "model": "\ud800"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "hi"}]}),
+    ],
+)
+async def test_lone_surrogates_get_a_400_json_error(path, body) -> None:
+    """JSON's "\\ud800" escapes parse into lone surrogates, which are not text: a 400 naming the
+    field, not a 500 from the tokenizer or from encoding the reply."""
+    app, _ = _app(_Engine(num_ready=1))
+    sent = await _post(app, path, {"max_tokens": 3, **body}, asyncio.Event())
+    assert sent[0]["status"] == 400
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert "not valid Unicode" in error["message"] and error["type"] == "invalid_request_error"
