@@ -130,6 +130,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit("--tensor-parallel-size must be >= 1")
     if args.speculative_method == "draft" and not args.speculative_model:
         raise SystemExit("--speculative-method draft needs --speculative-model")
+    if args.speculative_model and args.speculative_method != "draft":
+        raise SystemExit("--speculative-model is used only with --speculative-method draft")
+    if args.num_speculative_tokens < 1:
+        raise SystemExit(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if args.speculative_device_chain_steps < 1:
+        raise SystemExit(
+            f"--speculative-device-chain-steps must be >= 1, got {args.speculative_device_chain_steps}"
+        )
     cache = CacheConfig(
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,

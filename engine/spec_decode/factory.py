@@ -28,6 +28,8 @@ METHODS = (None, "ngram", "draft")
 def _check_method(config: SpeculativeConfig) -> None:
     if config.method not in METHODS:
         raise ValueError(f"unknown speculative method {config.method!r}; expected one of {METHODS}")
+    if config.method is not None and config.num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
     if config.device_chain_steps < 1:
         raise ValueError(f"speculative device_chain_steps must be >= 1, got {config.device_chain_steps}")
 

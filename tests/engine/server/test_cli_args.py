@@ -130,3 +130,27 @@ def test_speculative_device_drafts_flag(flag, expected):
 
     args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
     assert engine_config_from_args(args).speculative.device_drafts is expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--speculative-model", "builtin://smollm2-135m"], "only with --speculative-method draft"),
+        (
+            ["--speculative-method", "ngram", "--speculative-model", "x"],
+            "only with --speculative-method draft",
+        ),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "must be >= 1, got 0"),
+        (["--num-speculative-tokens", "-2"], "must be >= 1, got -2"),
+        (["--speculative-method", "ngram", "--speculative-device-chain-steps", "0"], "must be >= 1, got 0"),
+        (["--speculative-method", "draft"], "needs --speculative-model"),
+    ],
+)
+def test_speculative_flags_that_cannot_work_exit_at_startup(argv, message):
+    """Refused before any model loads (not a server left running with /startup failed, nor a
+    draft model silently ignored)."""
+    from pagedinfer.engine.server.cli_args import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit, match=message):
+        engine_config_from_args(args)
