@@ -105,11 +105,12 @@ def profiled_run(core, prompts, params) -> dict:
     # A chained host step launches several forward passes: the kernels per device step compare
     # a verification pass with a plain one.
     device_steps = max(1, core.runner.num_device_steps - forwards)
+    categories = by_category(table)
     return {
         "device_steps": device_steps,
         "kernel_us_per_device_step": round(sum(r["us_per_step"] for r in table) * n / device_steps, 1),
         "by_category_us_per_device_step": {
-            c: round(us * n / device_steps, 1) for c, us in by_category(table).items()
+            c: round(us * n / device_steps, 1) for c, us in categories.items()
         },
         "device_busy_us_per_step": round(busy / n, 1),
         "device_span_us_per_step": round(span / n, 1),
@@ -117,7 +118,7 @@ def profiled_run(core, prompts, params) -> dict:
         "ms_per_token": round(
             run.seconds * 1e3 / max(1, sum(len(t) for t in run.token_ids) / len(prompts)), 3
         ),
-        "by_category_us_per_step": by_category(table),
+        "by_category_us_per_step": categories,
         "steps": len(run.steps),
         "decode_steps": len(steps),
         "tokens": sum(len(t) for t in run.token_ids),

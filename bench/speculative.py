@@ -43,7 +43,6 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     Timed,
     decode_ms_per_token,
     draft_accounting,
-    full_batch_device_step_ms,
     full_batch_speedup,
     full_batch_tokens_per_seq_step,
     full_steps,
@@ -53,6 +52,7 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     prefix_fraction,
     refilled_row,
     solve_alpha,
+    step_cost_split,
     step_mean_max,
     step_median,
     summary,
@@ -240,26 +240,6 @@ def measure(
         "measured_speedup_full_batch": steady,
         "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
         **step_cost_split(base, fast, len(prompts), theory * (k * c + 1)),
-    }
-
-
-def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
-    """The full-batch ratio as (tokens a device step gave / the formula's) over (a verifying
-    device step's time / a plain one's): the first is the workload (steps with no n-gram match,
-    device steps of a chain past a sequence's end), the second the implementation (the formula
-    takes 1 + K c: a plain step plus the drafts). `formula_tokens`: (1 - alpha^(K+1)) / (1 - alpha)."""
-    base_ms, spec_ms = full_batch_device_step_ms(base, batch), full_batch_device_step_ms(fast, batch)
-    growth = full_batch_tokens_per_seq_step(fast, batch)
-    after = full_steps(fast, batch)[1:]
-    passes = sum(s.get("device_steps", 0) for s in after)
-    if None in (base_ms, spec_ms, growth) or not passes:
-        return {}
-    per_device_step = growth * len(after) / passes  # tokens a sequence gained per forward pass
-    return {
-        "full_batch_device_step_ms": [base_ms, spec_ms],
-        "verify_step_cost": round(spec_ms / base_ms, 3),
-        "full_batch_tokens_per_device_step": round(per_device_step, 3),
-        "tokens_over_formula": round(per_device_step / formula_tokens, 3),
     }
 
 

@@ -131,16 +131,34 @@ def full_batch_speedup(base, fast, batch: int) -> float | None:
     return round(fast_rate / base_rate, 3)
 
 
-def full_batch_device_step_ms(run, batch: int) -> float | None:
-    """Host time over the forward passes launched in the full-batch window of
-    `full_batch_speedup` (its steps after the first): one device step's time, plain or
-    verifying, while every sequence runs."""
+def _full_batch_passes(run, batch: int) -> tuple[int, float, int] | None:
+    """(KV tokens gained, host ms, forward passes launched) over the full-batch window of
+    `full_batch_speedup` (its steps after the first); None without that window or pass counts."""
     growth = _full_batch_growth(run, batch)
     if growth is None:
         return None
-    _, after = growth
+    gained, after = growth
     passes = sum(s.get("device_steps", 0) for s in after)
-    return round(sum(s["ms"] for s in after) / passes, 4) if passes else None
+    return (gained, sum(s["ms"] for s in after), passes) if passes else None
+
+
+def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
+    """The full-batch ratio as (tokens a device step gave / the formula's) over (a verifying
+    device step's time / a plain one's): the first is the workload (steps with no n-gram match,
+    device steps of a chain past a sequence's end), the second the implementation (the formula
+    takes 1 + K c: a plain step plus the drafts). `formula_tokens`: (1 - alpha^(K+1)) / (1 - alpha)."""
+    windows = [_full_batch_passes(run, batch) for run in (base, fast)]
+    if None in windows:
+        return {}
+    (_, base_ms, base_passes), (gained, spec_ms, passes) = windows
+    base_step_ms, spec_step_ms = round(base_ms / base_passes, 4), round(spec_ms / passes, 4)
+    per_device_step = gained / batch / passes  # tokens a sequence gained per forward pass
+    return {
+        "full_batch_device_step_ms": [base_step_ms, spec_step_ms],
+        "verify_step_cost": round(spec_step_ms / base_step_ms, 3),
+        "full_batch_tokens_per_device_step": round(per_device_step, 3),
+        "tokens_over_formula": round(per_device_step / formula_tokens, 3),
+    }
 
 
 def step_mean_max(run, batch: int) -> list[float] | None:

@@ -52,8 +52,7 @@ def test_full_batch_ratio_splits_into_tokens_and_step_cost():
     """Over the full-batch window, measured / theory = (tokens a forward pass gave / the
     formula's) / (a verifying pass's time / a plain pass's): the split the table prints."""
     sys.path.insert(0, str(ROOT / "bench"))
-    from speculative import step_cost_split
-    from speculative_report import full_batch_speedup
+    from speculative_report import full_batch_speedup, step_cost_split
     from throughput_lib import EngineRun
 
     def run(ms: float, passes: int, gain: int) -> EngineRun:
