@@ -53,6 +53,7 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     refilled_row,
     solve_alpha,
     step_cost_split,
+    step_trace,
     step_mean_max,
     step_median,
     summary,
@@ -240,6 +241,7 @@ def measure(
         "measured_speedup_full_batch": steady,
         "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
         **step_cost_split(base, fast, len(prompts), theory * (k * c + 1)),
+        "step_trace": {"base": step_trace(base), "spec": step_trace(fast)},
     }
 
 

@@ -104,12 +104,14 @@ def step_median(run, batch: int) -> float | None:
 
 
 def _full_batch_growth(run, batch: int) -> tuple[int, list[dict]] | None:
-    """KV tokens gained from the first to the last step with the whole batch running (they grow
-    by exactly the emitted tokens between such steps), and the steps after the first."""
+    """KV tokens gained from the first to the last step with the whole batch running, and the
+    steps that applied them: all of that window but its last. (kv_tokens is read before a step,
+    so it grows by exactly what each step applies; an async step applies, and waits for, the
+    passes the step before launched.)"""
     steps = full_steps(run, batch)
     if len(steps) < 2:
         return None
-    return steps[-1]["kv_tokens"] - steps[0]["kv_tokens"], steps[1:]
+    return steps[-1]["kv_tokens"] - steps[0]["kv_tokens"], steps[:-1]
 
 
 def full_batch_tokens_per_seq_step(run, batch: int) -> float | None:
@@ -117,8 +119,8 @@ def full_batch_tokens_per_seq_step(run, batch: int) -> float | None:
     growth = _full_batch_growth(run, batch)
     if growth is None:
         return None
-    gained, after = growth
-    return round(gained / len(after) / batch, 3)
+    gained, applying = growth
+    return round(gained / len(applying) / batch, 3)
 
 
 def full_batch_speedup(base, fast, batch: int) -> float | None:
@@ -127,19 +129,20 @@ def full_batch_speedup(base, fast, batch: int) -> float | None:
     growths = [_full_batch_growth(run, batch) for run in (base, fast)]
     if None in growths:
         return None
-    base_rate, fast_rate = (gained / sum(s["ms"] for s in after) for gained, after in growths)
+    base_rate, fast_rate = (gained / sum(s["ms"] for s in applying) for gained, applying in growths)
     return round(fast_rate / base_rate, 3)
 
 
 def _full_batch_passes(run, batch: int) -> tuple[int, float, int] | None:
-    """(KV tokens gained, host ms, forward passes launched) over the full-batch window of
-    `full_batch_speedup` (its steps after the first); None without that window or pass counts."""
+    """(KV tokens gained, host ms, forward passes whose tokens those steps applied) over the
+    window of `full_batch_speedup`; None without that window or per-step applied-pass counts
+    (results before 2026-12-06 counted passes at launch, one async step off the tokens)."""
     growth = _full_batch_growth(run, batch)
-    if growth is None:
+    if growth is None or any("applied_device_steps" not in s for s in growth[1]):
         return None
-    gained, after = growth
-    passes = sum(s.get("device_steps", 0) for s in after)
-    return (gained, sum(s["ms"] for s in after), passes) if passes else None
+    gained, applying = growth
+    passes = sum(s["applied_device_steps"] for s in applying)
+    return (gained, sum(s["ms"] for s in applying), passes) if passes else None
 
 
 def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
@@ -159,6 +162,17 @@ def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
         "full_batch_tokens_per_device_step": round(per_device_step, 3),
         "tokens_over_formula": round(per_device_step / formula_tokens, 3),
     }
+
+
+def step_trace(run) -> list[list]:
+    """The run's steps, compact, to recompute any window from the JSON: [host ms, batch,
+    kv_tokens before the step, passes launched, passes applied (None before 2026-12-06),
+    pure decode]."""
+    return [
+        [round(s["ms"], 4), s["batch"], s["kv_tokens"], s.get("device_steps"),
+         s.get("applied_device_steps"), s["pure_decode"]]
+        for s in run.steps
+    ]  # fmt: skip
 
 
 def step_mean_max(run, batch: int) -> list[float] | None:

@@ -67,6 +67,7 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
             and all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
         )
         forwards = getattr(runner, "num_device_steps", 0)
+        applied = getattr(core, "num_applied_device_steps", None)
         t0 = time.perf_counter()
         for out in core.step():
             for d in out.deltas:
@@ -79,6 +80,8 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
         # forward passes launched in this step (a chained speculative step launches several; an
         # async step launches the next one's, so a window of steps is off by at most one step's)
         step["device_steps"] = getattr(runner, "num_device_steps", 0) - forwards
+        if applied is not None:  # passes whose tokens this step applied (its kv_tokens growth)
+            step["applied_device_steps"] = core.num_applied_device_steps - applied
         if phases is not None:  # host ms per phase of this step (EngineCore.StepPhases)
             step["phases_ms"] = {k: getattr(phases, k) * 1e3 for k in phases.__slots__}
         steps.append(step)

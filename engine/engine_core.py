@@ -94,6 +94,9 @@ class EngineCore:
         self.num_lookahead_steps = 0
         self.num_lookahead_admissions = 0  # requests admitted by lookahead steps
         self.num_chained_steps = 0  # device steps verifying drafts made on the device (lookaheads)
+        # forward passes whose results a step applied (the runner counts them at launch; an async
+        # step applies the passes the step before launched, so per step the two differ)
+        self.num_applied_device_steps = 0
         self.runner = runner
         _freeze_startup_objects()
         self.spec_decoder = spec_decoder  # spec_decode.SpeculativeDecoder, or None
@@ -240,6 +243,8 @@ class EngineCore:
         t_lookahead = clock()
         result = self.runner.collect(pending)
         t_collect = clock()
+        if pending is not None:
+            self.num_applied_device_steps += sched.num_device_steps
         ahead = self._inflight[0] if self._inflight is not None else None
         if getattr(self.spec_decoder, "device_drafts", None) is not None:
             self.spec_decoder.record_device_drafts(sched, self.scheduler)
