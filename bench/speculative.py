@@ -53,9 +53,9 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     refilled_row,
     solve_alpha,
     step_cost_split,
-    step_trace,
     step_mean_max,
     step_median,
+    step_trace,
     summary,
     theoretical_speedup,
 )

@@ -35,7 +35,7 @@ def test_pair_smoke_rows_match_plain_decoding(tmp_path, chain):
         # kv_tokens over its own, at a full batch) comes with passes applied
         for trace in r["step_trace"].values():
             assert sum(t[3] for t in trace) == sum(t[4] for t in trace) > 0, trace
-            for now, nxt in zip(trace, trace[1:]):
+            for now, nxt in zip(trace, trace[1:], strict=False):
                 if now[5] and nxt[1] == now[1] and nxt[2] > now[2]:
                     assert now[4] > 0, trace
     assert (tmp_path / "speculative.png").exists()
