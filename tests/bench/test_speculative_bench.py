@@ -55,10 +55,11 @@ def test_request_ms_per_token_charges_each_request_its_own_steps():
     assert decode_ms_per_token(run) == pytest.approx(3.0 / 2.0)  # 3 ms over (6 - 2) / 2 tokens a request
 
 
-def _async_run(pass_ms: float, gain: int, applied: list[int]):
+def _async_run(pass_ms: float, gain: int, applied: list[int], first_ms: float | None = None):
     """A batch-2 run after its prefill step: step i applies (waits for, then adds the KV tokens
     of) the `applied[i]` forward passes the step before launched, each `pass_ms` long and adding
-    `gain` tokens a sequence; step i launches the next step's passes."""
+    `gain` tokens a sequence; step i launches the next step's passes. `first_ms`: the first
+    decode step's time where its passes, queued behind the prefill, partly ran before it."""
     from throughput_lib import EngineRun
 
     steps = [{"ms": 9.0, "batch": 2, "kv_tokens": 20, "pure_decode": False, "device_steps": 1,
@@ -71,19 +72,22 @@ def _async_run(pass_ms: float, gain: int, applied: list[int]):
             "device_steps": launched, "applied_device_steps": passes,
         })  # fmt: skip
         kv += 2 * gain * passes
+    if first_ms is not None:
+        steps[1]["ms"] = first_ms
     return EngineRun(1.0, 2, 0, 20, steps)
 
 
 def test_full_batch_ratio_splits_into_tokens_and_step_cost():
     """Over the full-batch window, measured / theory = (tokens a forward pass gave / the
     formula's) / (a verifying pass's time / a plain pass's): the split the table prints. The
-    chain's lengths vary (4, 4, 1, 4, 2 passes a step) and an async step launches the passes
-    the next step applies: counted at launch, the window's passes were off by a step's."""
+    chain's lengths vary (4, 4, 1, 4, 2, 3 passes a step) and an async step launches the passes
+    the next step applies: counted at launch, the window's passes were off by a step's. The
+    first decode step is short (its passes partly ran under the prefill step): left out."""
     sys.path.insert(0, str(ROOT / "bench"))
     from speculative_report import full_batch_speedup, step_cost_split
 
     base = _async_run(1.0, 1, [1] * 6)
-    fast = _async_run(1.5, 2, [4, 4, 1, 4, 2, 3])  # a verifying pass 1.5 ms, 2 tokens each
+    fast = _async_run(1.5, 2, [4, 4, 1, 4, 2, 3], first_ms=2.0)  # a pass 1.5 ms, 2 tokens each
     split = step_cost_split(base, fast, 2, formula_tokens=2.5)
     assert split["verify_step_cost"] == pytest.approx(1.5)
     assert split["full_batch_tokens_per_device_step"] == pytest.approx(2.0)

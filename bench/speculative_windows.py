@@ -1,0 +1,56 @@
+"""Recompute the full-batch columns of a bench/speculative.py JSON from its rows' step traces.
+
+    python -P bench/speculative_windows.py bench/results/speculative_h100_ngram_0300.json
+
+Rows since 2026-12-06 carry `step_trace` (both runs, every step); this applies the current
+window of speculative_report (full-batch ratio, vstep, tok/f) to them, e.g. after the window's
+definition changed, and prints the recorded values beside the recomputed ones.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speculative_report import full_batch_speedup, step_cost_split  # noqa: E402  (bench/ is not a package)
+from throughput_lib import EngineRun  # noqa: E402
+
+FIELDS = ("ms", "batch", "kv_tokens", "device_steps", "applied_device_steps", "pure_decode")
+
+
+def run_from_trace(trace: list[list]) -> EngineRun:
+    return EngineRun(0.0, 0, 0, 0, [dict(zip(FIELDS, t, strict=True)) for t in trace])
+
+
+def recompute(row: dict) -> dict:
+    base, fast = (run_from_trace(row["step_trace"][name]) for name in ("base", "spec"))
+    batch, theory = row["batch"], row["theoretical_speedup"]
+    steady = full_batch_speedup(base, fast, batch)
+    formula = theory * (row["k"] * row["c"] + 1)
+    return {
+        "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
+        **step_cost_split(base, fast, batch, formula),
+    }
+
+
+def main(path: str) -> None:
+    results = json.loads(Path(path).read_text())
+    print("workload   B  K  recorded ratio/vstep/tok/f   recomputed ratio/vstep/tok/f")
+    for name, workload in results["workloads"].items():
+        for row in workload["rows"]:
+            if "step_trace" not in row:
+                continue
+            new = recompute(row)
+            old = [
+                row.get(k) for k in ("full_batch_over_theoretical", "verify_step_cost", "tokens_over_formula")
+            ]
+            now = [
+                new.get(k) for k in ("full_batch_over_theoretical", "verify_step_cost", "tokens_over_formula")
+            ]
+            print(f"{name:8} {row['batch']:3} {row['k']:2}  {old!s:28} {now!s}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
