@@ -99,3 +99,22 @@ def test_full_batch_ratio_splits_into_tokens_and_step_cost():
     for s in fast.steps:
         del s["applied_device_steps"]
     assert step_cost_split(base, fast, 2, formula_tokens=2.5) == {}
+
+
+def test_windows_recompute_a_row_from_its_step_traces():
+    """bench/speculative_windows.py rebuilds both runs from a JSON row's step_trace and gives
+    the row's full-batch columns as speculative_report computes them on the runs themselves."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculative_report import full_batch_speedup, step_cost_split, step_trace
+    from speculative_windows import recompute
+
+    base = _async_run(1.0, 1, [1] * 6)
+    fast = _async_run(1.5, 2, [4, 4, 1, 4, 2, 3], first_ms=2.0)
+    row = {"batch": 2, "k": 2, "c": 0.0, "theoretical_speedup": 2.5}
+    row["step_trace"] = json.loads(json.dumps({"base": step_trace(base), "spec": step_trace(fast)}))
+    again = recompute(row)
+    assert again["full_batch_over_theoretical"] == round(full_batch_speedup(base, fast, 2) / 2.5, 3)
+    assert {k: again[k] for k in again if k != "full_batch_over_theoretical"} == step_cost_split(
+        base, fast, 2, formula_tokens=2.5
+    )
+    assert again["verify_step_cost"] == pytest.approx(1.5)
