@@ -167,15 +167,23 @@ def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
     }
 
 
+# A step trace's columns: host ms, batch, kv_tokens before the step, passes launched, passes
+# applied (None before 2026-12-06), pure decode.
+TRACE_FIELDS = ("ms", "batch", "kv_tokens", "device_steps", "applied_device_steps", "pure_decode")
+
+
 def step_trace(run) -> list[list]:
-    """The run's steps, compact, to recompute any window from the JSON: [host ms, batch,
-    kv_tokens before the step, passes launched, passes applied (None before 2026-12-06),
-    pure decode]."""
+    """The run's steps, compact (TRACE_FIELDS), to recompute any window from the JSON."""
     return [
         [round(s["ms"], 4), s["batch"], s["kv_tokens"], s.get("device_steps"),
          s.get("applied_device_steps"), s["pure_decode"]]
         for s in run.steps
     ]  # fmt: skip
+
+
+def steps_from_trace(trace: list[list]) -> list[dict]:
+    """The steps of a `step_trace`, as the windows above read them."""
+    return [dict(zip(TRACE_FIELDS, t, strict=True)) for t in trace]
 
 
 def step_mean_max(run, batch: int) -> list[float] | None:

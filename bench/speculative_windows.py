@@ -14,14 +14,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative_report import full_batch_speedup, step_cost_split  # noqa: E402  (bench/ is not a package)
+from speculative_report import (  # noqa: E402  (bench/ is not a package)
+    full_batch_speedup,
+    step_cost_split,
+    steps_from_trace,
+)
 from throughput_lib import EngineRun  # noqa: E402
-
-FIELDS = ("ms", "batch", "kv_tokens", "device_steps", "applied_device_steps", "pure_decode")
 
 
 def run_from_trace(trace: list[list]) -> EngineRun:
-    return EngineRun(0.0, 0, 0, 0, [dict(zip(FIELDS, t, strict=True)) for t in trace])
+    return EngineRun(0.0, 0, 0, 0, steps_from_trace(trace))
 
 
 def recompute(row: dict) -> dict:
