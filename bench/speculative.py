@@ -15,7 +15,8 @@ sampling for n-gram; the pair's rejection sampling draws other noise than plain 
 For each row: acceptance alpha (solved from the mean tokens emitted per verifying step), c (one
 draft token's proposer time / one plain decode step of the same batch, same run), K, the
 theoretical speedup (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1)) and measured / theoretical;
-over the steps with the whole batch running, that ratio splits into the tokens a forward pass
+over the steps with the whole batch running (`full-B`, against the theory at that window's own
+alpha: acceptance varies over a response), that ratio splits into the tokens a forward pass
 gave over the formula's (`tok/f`) and a verifying forward pass's time over a plain one's (`vstep`).
 
     python -P bench/speculative.py --device cuda --model /path/smollm2.gguf --out OUT   # GPU: (a) + (b)
@@ -43,6 +44,7 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     Timed,
     decode_ms_per_token,
     draft_accounting,
+    full_batch_alpha,
     full_batch_speedup,
     full_batch_tokens_per_seq_step,
     full_steps,
@@ -175,6 +177,9 @@ def measure(
     base_req_ms, fast_req_ms = mean_request_ms_per_token(base), mean_request_ms_per_token(fast)
     measured = base_ms / fast_ms
     steady = full_batch_speedup(base, fast, len(prompts))
+    # the full-batch window against the theory at its own alpha (acceptance varies over a response)
+    window_alpha = full_batch_alpha(fast, len(prompts), k)
+    window_theory = theory if window_alpha is None else theoretical_speedup(window_alpha, k, c)
     same = [prefix_fraction(a, b) for a, b in zip(base.token_ids, fast.token_ids, strict=True)]
     return {
         "batch": len(prompts),
@@ -239,8 +244,10 @@ def measure(
         "full_batch_steps": len(full_steps(fast, len(prompts))),
         "all_steps": sum(1 for s in fast.steps if s["pure_decode"]),
         "measured_speedup_full_batch": steady,
-        "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
-        **step_cost_split(base, fast, len(prompts), theory * (k * c + 1)),
+        "full_batch_alpha": None if window_alpha is None else round(window_alpha, 4),
+        "full_batch_theoretical_speedup": round(window_theory, 3),
+        "full_batch_over_theoretical": round(steady / window_theory, 3) if steady else None,
+        **step_cost_split(base, fast, len(prompts), window_theory * (k * c + 1)),
         "step_trace": {"base": step_trace(base), "spec": step_trace(fast)},
     }
 

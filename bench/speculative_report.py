@@ -136,6 +136,20 @@ def full_batch_speedup(base, fast, batch: int) -> float | None:
     return round(fast_rate / base_rate, 3)
 
 
+def full_batch_alpha(run, batch: int, k: int) -> float | None:
+    """alpha solved from the verifying sequence-steps that the full-batch window's steps applied:
+    the theory for that window. Acceptance is not flat over a response (an edit's first words are
+    new, later ones copy more), so the whole run's alpha would understate the window's theory.
+    None without per-step counts (results before 2026-12-06) or without a verification."""
+    growth = _full_batch_growth(run, batch)
+    if growth is None or any(s.get("verified") is None for s in growth[1]):
+        return None
+    verified = sum(s["verified"] for s in growth[1])
+    if not verified:
+        return None
+    return solve_alpha(sum(s["emitted"] for s in growth[1]) / verified, k)
+
+
 def _full_batch_passes(run, batch: int) -> tuple[int, float, int] | None:
     """(KV tokens gained, host ms, forward passes whose tokens those steps applied) over the
     window of `full_batch_speedup`; None without that window or per-step applied-pass counts
@@ -168,22 +182,28 @@ def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
 
 
 # A step trace's columns: host ms, batch, kv_tokens before the step, passes launched, passes
-# applied (None before 2026-12-06), pure decode.
-TRACE_FIELDS = ("ms", "batch", "kv_tokens", "device_steps", "applied_device_steps", "pure_decode")
+# applied, pure decode, then the sequence-steps that verified drafts and the tokens they emitted
+# (traces before 2026-12-06 end after pure decode; passes applied are None in the first ones).
+TRACE_FIELDS = (
+    "ms", "batch", "kv_tokens", "device_steps", "applied_device_steps", "pure_decode", "verified", "emitted",
+)  # fmt: skip
 
 
 def step_trace(run) -> list[list]:
     """The run's steps, compact (TRACE_FIELDS), to recompute any window from the JSON."""
     return [
         [round(s["ms"], 4), s["batch"], s["kv_tokens"], s.get("device_steps"),
-         s.get("applied_device_steps"), s["pure_decode"]]
+         s.get("applied_device_steps"), s["pure_decode"], s.get("verified"), s.get("emitted")]
         for s in run.steps
     ]  # fmt: skip
 
 
 def steps_from_trace(trace: list[list]) -> list[dict]:
-    """The steps of a `step_trace`, as the windows above read them."""
-    return [dict(zip(TRACE_FIELDS, t, strict=True)) for t in trace]
+    """The steps of a `step_trace`, as the windows above read them (an older, shorter trace
+    leaves the later columns out)."""
+    if any(len(t) > len(TRACE_FIELDS) for t in trace):
+        raise ValueError(f"a step trace has more columns than {TRACE_FIELDS}")
+    return [dict(zip(TRACE_FIELDS, t, strict=False)) for t in trace]
 
 
 def step_mean_max(run, batch: int) -> list[float] | None:
@@ -224,7 +244,7 @@ def summary(results: dict) -> str:
     lines = [f"speculative decoding on {results['machine']['device']} (greedy)"]
     lines.append(
         f"{'workload':9} {'B':>2} {'K':>2} {'base tok/s':>10} {'spec tok/s':>10} {'ms/tok':>15} {'alpha':>6} "
-        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'req.':>6} {'ratio':>6} {'full-B':>6} {'ratio':>6} {'vstep':>6} {'tok/f':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same idle"
+        f"{'c':>6} {'theory':>6} {'meas.':>6} {'ratio':>6} {'req.':>6} {'ratio':>6} {'full-B':>6} {'a(fB)':>6} {'ratio':>6} {'vstep':>6} {'tok/f':>6} {'refill':>6} {'ratio':>6} {'steps':>7} paused same idle"
     )
     for name, workload in results["workloads"].items():
         if "skipped" in workload:
@@ -236,7 +256,7 @@ def summary(results: dict) -> str:
                 f"{r['theoretical_speedup']:>6} {r['measured_speedup']:>6} "
                 f"{r['measured_over_theoretical']:>6} {r.get('request_speedup', '-')!s:>6} "
                 f"{r.get('request_over_theoretical', '-')!s:>6} {r.get('measured_speedup_full_batch')!s:>6} "
-                f"{r.get('full_batch_over_theoretical')!s:>6} "
+                f"{r.get('full_batch_alpha') or '-'!s:>6} {r.get('full_batch_over_theoretical')!s:>6} "
                 f"{r.get('verify_step_cost', '-')!s:>6} {r.get('tokens_over_formula', '-')!s:>6} "
                 f"{r.get('refilled_speedup', '-')!s:>6} {r.get('refilled_over_theoretical', '-')!s:>6} "
                 f"{r.get('full_batch_steps', '-')!s:>3}/{r.get('all_steps', '-')!s:<3} "

@@ -15,9 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative_report import (  # noqa: E402  (bench/ is not a package)
+    full_batch_alpha,
     full_batch_speedup,
     step_cost_split,
     steps_from_trace,
+    theoretical_speedup,
 )
 from throughput_lib import EngineRun  # noqa: E402
 
@@ -27,19 +29,23 @@ def run_from_trace(trace: list[list]) -> EngineRun:
 
 
 def recompute(row: dict) -> dict:
+    """The row's full-batch columns from its traces: the theory at the window's own alpha where
+    the trace has per-step verification counts, else at the whole run's (as recorded then)."""
     base, fast = (run_from_trace(row["step_trace"][name]) for name in ("base", "spec"))
-    batch, theory = row["batch"], row["theoretical_speedup"]
+    batch, k, c = row["batch"], row["k"], row["c"]
     steady = full_batch_speedup(base, fast, batch)
-    formula = theory * (row["k"] * row["c"] + 1)
+    alpha = full_batch_alpha(fast, batch, k)
+    theory = row["theoretical_speedup"] if alpha is None else theoretical_speedup(alpha, k, c)
     return {
+        "full_batch_alpha": None if alpha is None else round(alpha, 4),
         "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
-        **step_cost_split(base, fast, batch, formula),
+        **step_cost_split(base, fast, batch, theory * (k * c + 1)),
     }
 
 
 def main(path: str) -> None:
     results = json.loads(Path(path).read_text())
-    print("workload   B  K  recorded ratio/vstep/tok/f   recomputed ratio/vstep/tok/f")
+    print("workload   B  K  recorded ratio/vstep/tok/f   recomputed ratio/vstep/tok/f   window alpha")
     for name, workload in results["workloads"].items():
         for row in workload["rows"]:
             if "step_trace" not in row:
@@ -51,7 +57,7 @@ def main(path: str) -> None:
             now = [
                 new.get(k) for k in ("full_batch_over_theoretical", "verify_step_cost", "tokens_over_formula")
             ]
-            print(f"{name:8} {row['batch']:3} {row['k']:2}  {old!s:28} {now!s}")
+            print(f"{name:8} {row['batch']:3} {row['k']:2}  {old!s:28} {now!s:28} {new['full_batch_alpha']}")
 
 
 if __name__ == "__main__":

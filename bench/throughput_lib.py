@@ -52,6 +52,8 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
     runner = core.runner
     idle0, busy0 = getattr(runner, "gpu_idle_s_total", 0.0), getattr(runner, "gpu_busy_s_total", 0.0)
     runner._prev_end = None  # no idle time across runs
+    # speculation totals, counted as a step applies verified drafts (SpeculativeDecoder.observe)
+    spec_stats = getattr(getattr(core, "spec_decoder", None), "stats", None)
     steps = []
     start = time.perf_counter()
     for rid, p in zip(ids, prompts, strict=True):
@@ -68,6 +70,8 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
         )
         forwards = getattr(runner, "num_device_steps", 0)
         applied = getattr(core, "num_applied_device_steps", None)
+        if spec_stats is not None:
+            verified, emitted = spec_stats.num_verified_sequences, spec_stats.num_emitted_tokens
         t0 = time.perf_counter()
         for out in core.step():
             for d in out.deltas:
@@ -82,6 +86,9 @@ def run_engine_requests(core, prompts: list[list[int]], params: SamplingParams) 
         step["device_steps"] = getattr(runner, "num_device_steps", 0) - forwards
         if applied is not None:  # passes whose tokens this step applied (its kv_tokens growth)
             step["applied_device_steps"] = core.num_applied_device_steps - applied
+        if spec_stats is not None:  # sequence-steps that verified drafts, and what they emitted
+            step["verified"] = spec_stats.num_verified_sequences - verified
+            step["emitted"] = spec_stats.num_emitted_tokens - emitted
         if phases is not None:  # host ms per phase of this step (EngineCore.StepPhases)
             step["phases_ms"] = {k: getattr(phases, k) * 1e3 for k in phases.__slots__}
         steps.append(step)

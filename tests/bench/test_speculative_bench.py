@@ -33,6 +33,14 @@ def test_pair_smoke_rows_match_plain_decoding(tmp_path, chain):
         assert r["request_speedup"] > 0 and r["base_request_ms_per_token"] > 0, r
         # every pass launched is applied by some step, and a step's KV growth (the next step's
         # kv_tokens over its own, at a full batch) comes with passes applied
+        # the per-step verification counts add up to the row's totals (the window's alpha)
+        spec_trace = r["step_trace"]["spec"]
+        assert sum(t[6] for t in spec_trace) == r["verifying_sequence_steps"], spec_trace
+        emitted = sum(t[7] for t in spec_trace)
+        assert emitted == pytest.approx(
+            r["mean_emitted_per_verify_step"] * r["verifying_sequence_steps"], abs=0.01
+        )
+        assert sum(t[6] for t in r["step_trace"]["base"]) == 0
         for trace in r["step_trace"].values():
             assert sum(t[3] for t in trace) == sum(t[4] for t in trace) > 0, trace
             for now, nxt in zip(trace, trace[1:], strict=False):
@@ -114,7 +122,32 @@ def test_windows_recompute_a_row_from_its_step_traces():
     row["step_trace"] = json.loads(json.dumps({"base": step_trace(base), "spec": step_trace(fast)}))
     again = recompute(row)
     assert again["full_batch_over_theoretical"] == round(full_batch_speedup(base, fast, 2) / 2.5, 3)
-    assert {k: again[k] for k in again if k != "full_batch_over_theoretical"} == step_cost_split(
-        base, fast, 2, formula_tokens=2.5
-    )
+    assert again["full_batch_alpha"] is None  # no per-step verification counts: the row's theory
+    split = {k: again[k] for k in again if k not in ("full_batch_over_theoretical", "full_batch_alpha")}
+    assert split == step_cost_split(base, fast, 2, formula_tokens=2.5)
     assert again["verify_step_cost"] == pytest.approx(1.5)
+
+
+def test_full_batch_theory_takes_the_window_alpha():
+    """Acceptance grows over a response: the full-batch window (second full step to the last)
+    is compared with the theory at the alpha of the verifications its steps applied, not the
+    whole run's. Older traces without per-step counts give None (the run's alpha is used)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculative_report import full_batch_alpha, solve_alpha, step_trace, steps_from_trace
+    from throughput_lib import EngineRun
+
+    fast = _async_run(1.5, 2, [4, 4, 4, 4, 4], first_ms=2.0)
+    # (verifying sequence-steps, tokens they emitted) per step: 1.5 a step first, then 3.0
+    counts = [(0, 0), (8, 12), (8, 24), (8, 24), (8, 24), (8, 24)]
+    for step, (verified, emitted) in zip(fast.steps, counts, strict=True):
+        step["verified"], step["emitted"] = verified, emitted
+    # the window's steps are full steps 2-4 (indices 2..4): 24 verifications, 72 tokens
+    assert full_batch_alpha(fast, 2, 4) == pytest.approx(solve_alpha(3.0, 4))
+    assert full_batch_alpha(fast, 2, 4) > solve_alpha((12 + 4 * 24) / 40, 4)  # the whole run's
+    # a trace round-trips the counts; a trace from before them (6 columns) has no window alpha
+    again = EngineRun(0.0, 0, 0, 0, steps_from_trace(json.loads(json.dumps(step_trace(fast)))))
+    assert full_batch_alpha(again, 2, 4) == full_batch_alpha(fast, 2, 4)
+    old = EngineRun(0.0, 0, 0, 0, steps_from_trace([t[:6] for t in step_trace(fast)]))
+    assert full_batch_alpha(old, 2, 4) is None
+    with pytest.raises(ValueError):
+        steps_from_trace([[*t, 0] for t in step_trace(fast)])
