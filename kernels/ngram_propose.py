@@ -72,6 +72,7 @@ def _accept_propose_kernel(
     hist_ptr,  # [B, L] int32, in/out
     hist_len_ptr,  # [B] int32, in/out
     out_ptr,  # [B, _FIXED + K + 1 + N] int64
+    ties_ptr,  # [B, TIES] int32 scratch: the ends of the latest max_ties ties (CTX > 0)
     stride_drafts,
     stride_num_drafts,
     drafts_scale,
@@ -89,6 +90,7 @@ def _accept_propose_kernel(
     STEPS: tl.constexpr,  # power of two >= K + 1
     NEXT: tl.constexpr,  # power of two >= N
     BLOCK: tl.constexpr,
+    TIES: tl.constexpr,  # power of two >= max_ties (CTX > 0)
     DENSE_ROWS: tl.constexpr,  # every group has K + 1 rows (a chained step): first row b (K + 1)
     SEARCH: tl.constexpr,  # False: acceptance only (drafts made elsewhere; next drafts = filler)
 ):
@@ -155,6 +157,7 @@ def _accept_propose_kernel(
         if CTX > 0:  # noqa: SIM102 (a constexpr test, then a runtime one: two ifs for Triton)
             if num_longest > 1:
                 best_key = _rank_ties(
+                    ties_ptr + seq * TIES,
                     hist_row,
                     emit_row,
                     old_len,
@@ -169,6 +172,7 @@ def _accept_propose_kernel(
                     NGRAM_MAX,
                     BLOCK,
                     CTX,
+                    TIES,
                 )
 
     # Next drafts: what followed the match, periodic with period n - 1 - j; no match: the last
@@ -205,6 +209,7 @@ def _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, N
 
 @triton.jit
 def _rank_ties(
+    ties_row,
     hist_row,
     emit_row,
     old_len,
@@ -219,23 +224,22 @@ def _rank_ties(
     NGRAM_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
     CTX: tl.constexpr,
+    TIES: tl.constexpr,
 ):
     """The key (length * L + end) of the match find_ngram_draft chooses among the longest: of the
     latest max_ties ends with the best length, the most of the `window` tokens before the match
-    that occur among the `window` before the suffix, then the latest. A second pass over the
-    tiles, latest first, counting the ties seen so far."""
+    that occur among the `window` before the suffix, then the latest.
+
+    A second pass over the tiles, latest first, writes the ends of the latest max_ties ties to
+    the program's scratch row (in order, the latest first) and stops once it has them; only those
+    ends are then ranked, [TIES] wide. (Ranking every lane of every tile, [BLOCK] x CTX x CTX
+    compares a tile, cost 3-8x the search alone; H200, bench/NOTES.md session 26.)"""
     best_len = tl.where(best_key >= 0, best_key // hist_cap, -1)
-    ctx = tl.arange(0, CTX)
-    b_pos = last - best_len - ctx
-    # (wheres, not `scalar & vector`: the interpreter turns that into an int32 mask)
-    b_ok = tl.where(best_len >= 0, (ctx < window) & (b_pos >= 0), False)
-    b_tok = _token_at(hist_row, emit_row, b_pos, old_len, new_len, emit_max, b_ok)
-    b_tok = tl.where(b_ok, b_tok, -1)  # -1: no token
     lanes = tl.arange(0, BLOCK)
-    ranked = tl.full([BLOCK], -1, tl.int64)
-    ties_later = tl.full([], 0, tl.int32)
     num_tiles = tl.cdiv(tl.maximum(last, 0), BLOCK)
-    for i in range(0, num_tiles):
+    ties_later = tl.full([], 0, tl.int32)
+    i = tl.full([], 0, tl.int32)
+    while (i < num_tiles) & (ties_later < max_ties):
         start = (num_tiles - 1 - i) * BLOCK
         ends = start + lanes
         match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
@@ -243,17 +247,28 @@ def _rank_ties(
         tie = is_tie.to(tl.int32)
         # ties at this end or later: the later tiles', then this tile's from here to its end
         rank = ties_later + tl.sum(tie, axis=0) - tl.cumsum(tie, axis=0) + tie
-        eligible = is_tie & (rank <= max_ties)
-        overlap = tl.zeros([BLOCK], tl.int64)
-        for w in tl.static_range(CTX):
-            a_pos = ends - best_len - w
-            a_ok = tl.where(w < window, eligible & (a_pos >= 0), False)
-            a_tok = _token_at(hist_row, emit_row, a_pos, old_len, new_len, emit_max, a_ok)
-            seen = tl.max((a_tok[:, None] == b_tok[None, :]).to(tl.int32), axis=1)
-            overlap += tl.where(a_ok, seen, 0).to(tl.int64)
-        ranked = tl.maximum(ranked, tl.where(eligible, overlap * hist_cap + ends, -1))
+        tl.store(ties_row + rank - 1, ends.to(tl.int32), mask=is_tie & (rank <= max_ties))
         ties_later += tl.sum(tie, axis=0)
-    ranked_key = tl.max(ranked, axis=0)
+        i += 1
+    tl.debug_barrier()  # the scratch row's stores, visible to every thread of the program
+    # The ranking, over the collected ends only.
+    slots = tl.arange(0, TIES)
+    is_slot = slots < tl.minimum(ties_later, max_ties)
+    tie_end = tl.load(ties_row + slots, mask=is_slot, other=0).to(tl.int64)
+    ctx = tl.arange(0, CTX)
+    b_pos = last - best_len - ctx
+    # (wheres, not `scalar & vector`: the interpreter turns that into an int32 mask)
+    b_ok = tl.where(best_len >= 0, (ctx < window) & (b_pos >= 0), False)
+    b_tok = _token_at(hist_row, emit_row, b_pos, old_len, new_len, emit_max, b_ok)
+    b_tok = tl.where(b_ok, b_tok, -1)  # -1: no token
+    overlap = tl.zeros([TIES], tl.int64)
+    for w in tl.static_range(CTX):
+        a_pos = tie_end - best_len - w
+        a_ok = tl.where(w < window, is_slot & (a_pos >= 0), False)
+        a_tok = _token_at(hist_row, emit_row, a_pos, old_len, new_len, emit_max, a_ok)
+        seen = tl.max((a_tok[:, None] == b_tok[None, :]).to(tl.int32), axis=1)
+        overlap += tl.where(a_ok, seen, 0).to(tl.int64)
+    ranked_key = tl.max(tl.where(is_slot, overlap * hist_cap + tie_end, -1), axis=0)
     return tl.where(ranked_key >= 0, best_len.to(tl.int64) * hist_cap + ranked_key % hist_cap, best_key)
 
 
@@ -337,6 +352,12 @@ def launch_packed(
     if num_seqs == 0:
         return out
     dense = first_rows is None
+    ctx = triton.next_power_of_2(context_window) if context_window > 0 else 0
+    ties = triton.next_power_of_2(max(max_ties, 1))
+    # scratch of the tie ranking (a program writes, then reads, only its own row)
+    scratch = (
+        torch.empty((num_seqs, ties), dtype=torch.int32, device=argmax.device) if ctx and search else out
+    )
     _accept_propose_kernel[(num_seqs,)](
         argmax,
         argmax if dense else first_rows,
@@ -345,6 +366,7 @@ def launch_packed(
         history,
         history_len,
         out,
+        scratch,
         drafts.stride(0),
         num_drafts.stride(0),
         drafts_scale,
@@ -358,10 +380,11 @@ def launch_packed(
         max_ties,
         max_drafts=max_drafts,
         NGRAM_MAX=ngram_max,
-        CTX=triton.next_power_of_2(context_window) if context_window > 0 else 0,
+        CTX=ctx,
         STEPS=triton.next_power_of_2(max_drafts + 1),
         NEXT=triton.next_power_of_2(num_next),
         BLOCK=block,
+        TIES=ties,
         DENSE_ROWS=dense,
         SEARCH=search,
         num_warps=num_warps,
