@@ -24,11 +24,12 @@ from pagedinfer.kernels.ngram_layout import (
 )
 from pagedinfer.kernels.ngram_reference import AcceptProposeOutput
 
-# Candidate ends per tile, and warps. In a CUDA graph on an H100 (B 1, K 4, n-gram 1-4, a 420- or
-# 1,500-token history; bench/NOTES.md, session 20): 1024 x 16 warps takes 3.4-4.3 us without the
-# tie ranking and 13-23 us with it; the former 2048 x 8, 4.0-4.2 and 27 us.
-BLOCK = 1024
-NUM_WARPS = 16
+# Candidate ends per tile, and warps. In a CUDA graph on an H100 with the engine's tie ranking
+# (context 8; bench/NOTES.md, session 26): 512 x 8 warps 7.0 us on a 420-token copy history and
+# 9.7 at 1,500 tokens, against 8.2-11.5 for the other tiles of 512-2048 x 8-16; without the
+# ranking every tile is within ~1 us of the others (4.3-7.4 us).
+BLOCK = 512
+NUM_WARPS = 8
 
 
 @triton.jit
