@@ -261,7 +261,7 @@ def summary(results: dict) -> str:
                 f"{r.get('refilled_speedup', '-')!s:>6} {r.get('refilled_over_theoretical', '-')!s:>6} "
                 f"{r.get('full_batch_steps', '-')!s:>3}/{r.get('all_steps', '-')!s:<3} "
                 f"{r.get('paused_sequence_steps', '-')!s:>6} {r['identical_outputs']!s:5} "
-                f"{idle_pair(r)}"
+                f"{idle_pair(r)}{' host-bound plain' if r.get('baseline_host_bound') else ''}"
             )
         if "construction" in workload:
             lines.append(f"  {name}: {workload['construction']}")

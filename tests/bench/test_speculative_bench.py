@@ -151,3 +151,30 @@ def test_full_batch_theory_takes_the_window_alpha():
     assert full_batch_alpha(old, 2, 4) is None
     with pytest.raises(ValueError):
         steps_from_trace([[*t, 0] for t in step_trace(fast)])
+
+
+def test_median_round_skips_host_bound_baselines():
+    """A round whose plain run left the device idle > 10% of the time compares against the
+    host's Python, not the device: the row is the median of the device-bound rounds, and is
+    flagged when every round was host-bound. Off CUDA (no idle figure) every round counts."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculative import median_round
+
+    def trial(ratio, idle):
+        return {
+            "measured_over_theoretical": ratio,
+            "full_batch_over_theoretical": ratio,
+            "base_gpu_idle_fraction": idle,
+        }
+
+    # the host-bound rounds read high (a slow baseline); the median of all five would be 1.2
+    row = median_round(
+        [trial(1.3, 0.3), trial(0.88, 0.03), trial(1.2, 0.25), trial(0.9, 0.05), trial(0.86, 0.04)]
+    )
+    assert row["measured_over_theoretical"] == 0.88 and not row["baseline_host_bound"]
+    assert row["rounds"] == 5 and row["rounds_device_bound"] == 3
+    assert row["rounds_base_gpu_idle_fraction"] == [0.3, 0.03, 0.25, 0.05, 0.04]
+    row = median_round([trial(1.3, 0.3), trial(1.1, 0.2), trial(1.2, 0.25)])
+    assert row["measured_over_theoretical"] == 1.2 and row["baseline_host_bound"]
+    row = median_round([trial(0.7, None), trial(0.9, None), trial(0.8, None)])
+    assert row["measured_over_theoretical"] == 0.8 and row["rounds_device_bound"] == 3
