@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedinfer.kernels import ngram_reference
-from pagedinfer.kernels.ngram_reference import AcceptProposeOutput
+from pagedinfer.kernels.ngram_reference import MAX_TIES_LIMIT, AcceptProposeOutput
 from pagedinfer.kernels.ops import select_backend, triton_available
 
 __all__ = [
@@ -113,8 +113,10 @@ def accept_and_propose(
     check_accept_and_propose(
         argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next
     )
-    if context_window < 0 or max_ties < 1:
-        _fail(f"need context_window >= 0 and max_ties >= 1, got {context_window}, {max_ties}")
+    if context_window < 0 or not 1 <= max_ties <= MAX_TIES_LIMIT:
+        _fail(
+            f"need context_window >= 0 and 1 <= max_ties <= {MAX_TIES_LIMIT}, got {context_window}, {max_ties}"
+        )
     args = (argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next)
     if select_backend(argmax.device, backend) == "triton":
         from pagedinfer.kernels import ngram_propose

@@ -4,9 +4,10 @@ One program per sequence: greedy acceptance of its drafts against the argmax row
 the emitted tokens written to its history row, then the n-gram search over the updated history
 in tiles of BLOCK candidate ends, and the next drafts. Same results as ngram_reference.py.
 
-The program never reads back what it wrote: a token at position p of the updated history comes
-from the history row when p < the old length and from the argmax rows otherwise (`_token_at`),
-so no barrier is needed between the history write and the search.
+The program never reads back the history it wrote: a token at position p of the updated history
+comes from the history row when p < the old length and from the argmax rows otherwise
+(`_token_at`), so no barrier is needed between the history write and the search. The one
+read-back is the tie ranking's scratch row, after a barrier (`_rank_ties`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+# The largest max_ties (equally long matches ranked by context) either backend takes: the Triton
+# kernel ranks them as one vector of next_power_of_2(max_ties) ends. The engine ranks 32.
+MAX_TIES_LIMIT = 1024
+
 
 class AcceptProposeOutput(NamedTuple):
     """num_emitted [B] int64 in 1..K + 1; emitted [B, K + 1] int64 (0 past num_emitted);

@@ -396,6 +396,12 @@ def test_empty_batch_and_checks():
     for changes in bad:
         with pytest.raises(ValueError):
             call(**changes)
+    # the Triton kernel ranks the ties as one vector: a bounded width, refused above it
+    args = good.clone().tensors()
+    ngram_ops.accept_and_propose(*args, 1, 2, 2, context_window=8, max_ties=ngram_ops.MAX_TIES_LIMIT)
+    for ties in (0, ngram_ops.MAX_TIES_LIMIT + 1):
+        with pytest.raises(ValueError, match="max_ties"):
+            ngram_ops.accept_and_propose(*args, 1, 2, 2, context_window=8, max_ties=ties)
 
 
 # Triton under the interpreter: small shapes, tiles of 16-64 ends (several per row, boundaries
