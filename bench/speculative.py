@@ -44,8 +44,7 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     Timed,
     decode_ms_per_token,
     draft_accounting,
-    full_batch_alpha,
-    full_batch_speedup,
+    full_batch_columns,
     full_batch_tokens_per_seq_step,
     full_steps,
     mean_request_ms_per_token,
@@ -54,7 +53,6 @@ from speculative_report import (  # noqa: E402  (bench/ is not a package)
     prefix_fraction,
     refilled_row,
     solve_alpha,
-    step_cost_split,
     step_mean_max,
     step_median,
     step_trace,
@@ -176,10 +174,6 @@ def measure(
     base_ms, fast_ms = decode_ms_per_token(base), decode_ms_per_token(fast)
     base_req_ms, fast_req_ms = mean_request_ms_per_token(base), mean_request_ms_per_token(fast)
     measured = base_ms / fast_ms
-    steady = full_batch_speedup(base, fast, len(prompts))
-    # the full-batch window against the theory at its own alpha (acceptance varies over a response)
-    window_alpha = full_batch_alpha(fast, len(prompts), k)
-    window_theory = theory if window_alpha is None else theoretical_speedup(window_alpha, k, c)
     same = [prefix_fraction(a, b) for a, b in zip(base.token_ids, fast.token_ids, strict=True)]
     return {
         "batch": len(prompts),
@@ -243,11 +237,8 @@ def measure(
         # fewer accepted drafts finish alone at a smaller batch
         "full_batch_steps": len(full_steps(fast, len(prompts))),
         "all_steps": sum(1 for s in fast.steps if s["pure_decode"]),
-        "measured_speedup_full_batch": steady,
-        "full_batch_alpha": None if window_alpha is None else round(window_alpha, 4),
-        "full_batch_theoretical_speedup": round(window_theory, 3),
-        "full_batch_over_theoretical": round(steady / window_theory, 3) if steady else None,
-        **step_cost_split(base, fast, len(prompts), window_theory * (k * c + 1)),
+        # against the theory at the window's own alpha (acceptance varies over a response)
+        **full_batch_columns(base, fast, len(prompts), k, c, theory),
         "step_trace": {"base": step_trace(base), "spec": step_trace(fast)},
     }
 

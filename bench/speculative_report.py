@@ -181,6 +181,22 @@ def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
     }
 
 
+def full_batch_columns(base, fast, batch: int, k: int, c: float, run_theory: float) -> dict:
+    """A row's full-batch columns: the window's speedup against the theory at the window's own
+    alpha (`full_batch_alpha`; the whole run's theory `run_theory` where the steps carry no
+    verification counts), and its split into tok/f and vstep (`step_cost_split`)."""
+    steady = full_batch_speedup(base, fast, batch)
+    alpha = full_batch_alpha(fast, batch, k)
+    theory = run_theory if alpha is None else theoretical_speedup(alpha, k, c)
+    return {
+        "measured_speedup_full_batch": steady,
+        "full_batch_alpha": None if alpha is None else round(alpha, 4),
+        "full_batch_theoretical_speedup": round(theory, 3),
+        "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
+        **step_cost_split(base, fast, batch, theory * (k * c + 1)),
+    }
+
+
 # A step trace's columns: host ms, batch, kv_tokens before the step, passes launched, passes
 # applied, pure decode, then the sequence-steps that verified drafts and the tokens they emitted
 # (traces before 2026-12-06 end after pure decode; passes applied are None in the first ones).

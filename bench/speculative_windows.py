@@ -14,13 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative_report import (  # noqa: E402  (bench/ is not a package)
-    full_batch_alpha,
-    full_batch_speedup,
-    step_cost_split,
-    steps_from_trace,
-    theoretical_speedup,
-)
+from speculative_report import full_batch_columns, steps_from_trace  # noqa: E402  (bench/ is not a package)
 from throughput_lib import EngineRun  # noqa: E402
 
 
@@ -32,15 +26,10 @@ def recompute(row: dict) -> dict:
     """The row's full-batch columns from its traces: the theory at the window's own alpha where
     the trace has per-step verification counts, else at the whole run's (as recorded then)."""
     base, fast = (run_from_trace(row["step_trace"][name]) for name in ("base", "spec"))
-    batch, k, c = row["batch"], row["k"], row["c"]
-    steady = full_batch_speedup(base, fast, batch)
-    alpha = full_batch_alpha(fast, batch, k)
-    theory = row["theoretical_speedup"] if alpha is None else theoretical_speedup(alpha, k, c)
-    return {
-        "full_batch_alpha": None if alpha is None else round(alpha, 4),
-        "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
-        **step_cost_split(base, fast, batch, theory * (k * c + 1)),
-    }
+    return full_batch_columns(base, fast, row["batch"], row["k"], row["c"], row["theoretical_speedup"])
+
+
+COLUMNS = ("full_batch_over_theoretical", "verify_step_cost", "tokens_over_formula")  # printed
 
 
 def main(path: str) -> None:
@@ -51,12 +40,7 @@ def main(path: str) -> None:
             if "step_trace" not in row:
                 continue
             new = recompute(row)
-            old = [
-                row.get(k) for k in ("full_batch_over_theoretical", "verify_step_cost", "tokens_over_formula")
-            ]
-            now = [
-                new.get(k) for k in ("full_batch_over_theoretical", "verify_step_cost", "tokens_over_formula")
-            ]
+            old, now = ([r.get(k) for k in COLUMNS] for r in (row, new))
             print(f"{name:8} {row['batch']:3} {row['k']:2}  {old!s:28} {now!s:28} {new['full_batch_alpha']}")
 
 

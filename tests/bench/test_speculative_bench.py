@@ -123,7 +123,10 @@ def test_windows_recompute_a_row_from_its_step_traces():
     again = recompute(row)
     assert again["full_batch_over_theoretical"] == round(full_batch_speedup(base, fast, 2) / 2.5, 3)
     assert again["full_batch_alpha"] is None  # no per-step verification counts: the row's theory
-    split = {k: again[k] for k in again if k not in ("full_batch_over_theoretical", "full_batch_alpha")}
+    assert again["full_batch_theoretical_speedup"] == 2.5
+    assert again["measured_speedup_full_batch"] == full_batch_speedup(base, fast, 2)
+    window = ("full_batch_over_theoretical", "full_batch_alpha", "full_batch_theoretical_speedup")
+    split = {k: again[k] for k in again if k not in (*window, "measured_speedup_full_batch")}
     assert split == step_cost_split(base, fast, 2, formula_tokens=2.5)
     assert again["verify_step_cost"] == pytest.approx(1.5)
 
