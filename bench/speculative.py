@@ -209,11 +209,6 @@ def measure(
         # sequence-steps that verified drafts / that the policy had paused, and the tokens one
         # sequence gained per step while the batch was full (what the formula models)
         "verifying_sequence_steps": verifying,
-        # sequence-steps with a draft over all (the formula assumes 1.0; an n-gram proposer
-        # drafts only where the text so far holds a match)
-        "draft_coverage": round(
-            verifying / max(1, sum(s["batch"] for s in fast.steps if s["pure_decode"])), 3
-        ),
         "paused_sequence_steps": paused,
         **draft_accounting(before, stats, fast),
         "full_batch_tokens_per_seq_step": full_batch_tokens_per_seq_step(fast, len(prompts)),

@@ -75,19 +75,26 @@ def prefix_fraction(a: list[int], b: list[int]) -> float:
 
 
 def draft_accounting(before, after, run) -> dict:
-    """Why decoding sequence-steps had no draft, and the tokens one decoding sequence-step gave.
+    """Why decoding sequence-steps had no draft, the share that had one, and the tokens one
+    decoding sequence-step gave.
 
     The reasons are counted where drafts are decided (SpeculativeDecoder.propose): no n-gram
     match (`unmatched`), paused by the policy, no room left under max_tokens (`capped`, the last
-    step of every sequence), the whole step above max_batch_size (`disabled`).
+    step of every sequence), the whole step above max_batch_size (`disabled`). A decoding
+    sequence-step either verified drafts or has one of these reasons, so they count the
+    sequence-steps; the run's host steps do not (a chained host step runs several passes).
     """
     reasons = {
         name: getattr(after, f"num_{name}_sequence_steps") - getattr(before, f"num_{name}_sequence_steps")
         for name in ("unmatched", "paused", "capped", "disabled")
     }
-    seq_steps = sum(s["batch"] for s in run.steps if s["pure_decode"])
+    verified = after.num_verified_sequences - before.num_verified_sequences
+    seq_steps = verified + sum(reasons.values())
     return {
         "no_draft_sequence_steps": reasons,
+        # sequence-steps with a draft over all (the formula assumes 1.0; an n-gram proposer
+        # drafts only where the text so far holds a match)
+        "draft_coverage": round(verified / max(seq_steps, 1), 3),
         # output tokens after each sequence's first (prefill) token over decoding sequence-steps:
         # 1.0 without speculation; what coverage and alpha together give
         "tokens_per_seq_step": round((run.output_tokens - run.num_requests) / max(seq_steps, 1), 3),

@@ -31,6 +31,8 @@ def test_pair_smoke_rows_match_plain_decoding(tmp_path, chain):
         assert r["verifying_sequence_steps"] > 0 and r["accepted_tokens"] > 0
         assert (r["chained_steps"] > 0) is (chain == "on"), r
         assert r["request_speedup"] > 0 and r["base_request_ms_per_token"] > 0, r
+        # shares of sequence-steps, not of host steps (a chained host step runs several passes)
+        assert 0 < r["draft_coverage"] <= 1 and 1 <= r["tokens_per_seq_step"] <= r["k"] + 1, r
         # every pass launched is applied by some step, and a step's KV growth (the next step's
         # kv_tokens over its own, at a full batch) comes with passes applied
         # the per-step verification counts add up to the row's totals (the window's alpha)
@@ -47,6 +49,25 @@ def test_pair_smoke_rows_match_plain_decoding(tmp_path, chain):
                 if now[5] and nxt[1] == now[1] and nxt[2] > now[2]:
                     assert now[4] > 0, trace
     assert (tmp_path / "speculative.png").exists()
+
+
+def test_ngram_chained_rows_count_sequence_steps(tmp_path):
+    """n-gram on the embedded SmolLM2 with its steps chained on the device: one host step runs
+    several passes, so coverage and tokens per sequence-step must count sequence-steps (they
+    read 2.3-3.7 when they divided by host steps)."""
+    cmd = [
+        sys.executable, "-P", str(ROOT / "bench" / "speculative.py"), "--workloads", "ngram",
+        "--ks", "3", "--batches", "1,2", "--max-tokens", "16", "--refill", "0",
+        "--async-scheduling", "on", "--device-chain", "on", "--out", str(tmp_path),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
+    rows = json.loads((tmp_path / "speculative.json").read_text())["workloads"]["ngram"]["rows"]
+    assert [(r["batch"], r["k"]) for r in rows] == [(1, 3), (2, 3)]
+    for r in rows:
+        assert r["identical_outputs"] and r["chained_steps"] > 0, r
+        seq_steps = r["verifying_sequence_steps"] + sum(r["no_draft_sequence_steps"].values())
+        assert r["draft_coverage"] == round(r["verifying_sequence_steps"] / seq_steps, 3) <= 1, r
+        assert 1 <= r["tokens_per_seq_step"] <= r["k"] + 1, r
 
 
 def test_request_ms_per_token_charges_each_request_its_own_steps():
