@@ -55,8 +55,8 @@ MAX_TOKENS = 16
 # separate merge kernel. The last split's program merges all its rows (tokens x group) over every
 # split alone: H100, bench/verify_attention.py 2026-12-05 16:07 UTC, per call: Llama-3-8B batch 8
 # x 5 tokens (5 splits) 22.2 vs 25.2 us at 512 tokens of context, 51.5 vs 53.7 at 2048; SmolLM2
-# batch 8 x 5 (22 splits) 15.2 vs 11.3 us.
-FUSED_MAX_SPLITS = 8
+# batch 8 x 5 (22 splits) 15.2 vs 11.3 us. PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS moves it (A/B).
+FUSED_MAX_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS", "8"))
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
 
@@ -78,6 +78,11 @@ def default_config(device: torch.device) -> ShortExtendConfig:
 
 def rows_per_program(max_query_len: int, group: int) -> int:
     return max(16, triton.next_power_of_2(max(1, max_query_len)) * triton.next_power_of_2(group))
+
+
+def merge_rows_per_program(max_query_len: int, group: int) -> int:
+    """Rows the fused merge of one (sequence, KV head) takes: tokens x group, packed."""
+    return max(2, triton.next_power_of_2(max(1, max_query_len) * group))
 
 
 def takes(max_query_len: int | None, num_heads: int, num_kv_heads: int) -> bool:
@@ -107,6 +112,7 @@ def _short_extend_kernel(
     IS_SPLIT: tl.constexpr, MERGE_FUSED: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):  # fmt: skip
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge may be scheduled now; it waits for our results
@@ -169,10 +175,17 @@ def _short_extend_kernel(
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                o_rows = out_ptr + tokens * stride_ot + heads * stride_oh
+                # The merge's rows packed (token * GROUP + head, no power-of-two padding of the
+                # group): SmolLM2's 5 tokens x group 3 merge as 16 rows, not the loop's 32, so each
+                # of its serial loads takes twice the splits.
+                m = tl.arange(0, MERGE_ROWS)
+                m_tok = m // GROUP
+                m_heads = kv_head * GROUP + m % GROUP
+                m_tokens = (q_start + m_tok).to(tl.int64)
+                o_rows = out_ptr + m_tokens * stride_ot + m_heads * stride_oh
                 merge_rows(
-                    part_out_ptr, part_lse_ptr, tokens * num_heads + heads, row_ok, o_rows, head_dim,
-                    num_splits, SPLITS_PAD, SPLIT_CHUNK, D_PAD,
+                    part_out_ptr, part_lse_ptr, m_tokens * num_heads + m_heads, m_tok < q_len, o_rows,
+                    head_dim, num_splits, SPLITS_PAD, SPLIT_CHUNK, D_PAD,
                 )  # fmt: skip
                 tl.store(counter, 0)  # zero again for the next call (and the next graph replay)
 
@@ -226,6 +239,7 @@ def paged_short_extend_attention(
     use_pdl = merge is SplitMerge.PDL
     # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK (fixed otherwise: no recompiles).
     splits_pad = max(2, triton.next_power_of_2(num_splits)) if merge is SplitMerge.FUSED else 2
+    merged_rows = merge_rows_per_program(max_query_len, group) if merge is SplitMerge.FUSED else 2
     _short_extend_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -252,7 +266,8 @@ def paged_short_extend_attention(
         BLOCK_N=config.block_n,
         D_PAD=d_pad,
         SPLITS_PAD=splits_pad,
-        SPLIT_CHUNK=fused_split_chunk(rows, d_pad, splits_pad),
+        SPLIT_CHUNK=fused_split_chunk(merged_rows, d_pad, splits_pad),
+        MERGE_ROWS=merged_rows,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
