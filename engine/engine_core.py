@@ -263,9 +263,11 @@ class EngineCore:
                 if len(applied) != len(result.sampled) or sched.num_device_steps > 1:
                     _count_applied(result, applied)
             if self._inflight is None:  # learn acceptance, draft the next step's tokens
-                self.spec_decoder.after_step(sched, result, self.scheduler.running, applied)
+                checks = self.spec_decoder.after_step(sched, result, self.scheduler.running, applied)
             else:  # the next step is already launched: only learn
-                self.spec_decoder.observe(sched, result, applied)
+                checks = self.spec_decoder.observe(sched, result, applied)
+            if checks:
+                _attribute_verifications(updates, checks)
         self.last_step_phases = StepPhases(
             t_sched - start,
             t_forward - t_sched,
@@ -420,3 +422,14 @@ def _count_applied(result: ModelRunnerOutput, applied: dict[int, int]) -> None:
     result.num_draft_tokens = sum(k for _, k, _ in checks)
     result.num_accepted_tokens = sum(a for _, k, a in checks if k)
     result.num_verified_seqs = sum(1 for _, k, _ in checks if k)
+
+
+def _attribute_verifications(updates: list[SequenceUpdate], checks: list[tuple[int, int, int]]) -> None:
+    """Each sequence's verified and accepted draft tokens of this step onto its update, for the
+    request's usage (a chained step verifies several times per sequence)."""
+    by_seq = {u.seq_id: u for u in updates}
+    for seq_id, drafts, accepted in checks:
+        u = by_seq.get(seq_id)
+        if u is not None:
+            u.num_draft_tokens += drafts
+            u.num_accepted_tokens += accepted

@@ -81,6 +81,10 @@ class OutputProcessor:
 
     def _delta(self, state: _RequestState, u: SequenceUpdate) -> CompletionDelta:
         delta = CompletionDelta(u.index, token_ids=list(u.new_token_ids))
+        if u.num_draft_tokens:
+            seq = state.sequences[u.index]
+            seq.num_draft_tokens += u.num_draft_tokens
+            seq.num_accepted_tokens += u.num_accepted_tokens
         logprobs = u.logprobs
         detok = state.detokenizers[u.index]
         if detok is not None:
@@ -126,6 +130,8 @@ class OutputProcessor:
                 prompt_tokens=leader.num_prompt_tokens,
                 completion_tokens=sum(s.num_output_tokens for s in state.sequences),
                 cached_prompt_tokens=leader.num_cached_tokens,
+                draft_tokens=sum(s.num_draft_tokens for s in state.sequences),
+                accepted_draft_tokens=sum(s.num_accepted_tokens for s in state.sequences),
             )
             out.timing = _timing(state.sequences)
             del self._states[request_id]

@@ -48,6 +48,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
+    # speculative decoding: draft tokens verified for the request's completions, and those accepted
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -192,3 +192,6 @@ class SequenceUpdate:
     new_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
     is_finished: bool = False
+    # speculation this step: draft tokens the target verified, and how many of them it accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

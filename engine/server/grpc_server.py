@@ -116,6 +116,8 @@ def response_to_pb(out: RequestOutput) -> pb.GenerateResponse:
                 completion_tokens=u.completion_tokens,
                 total_tokens=u.total_tokens,
                 cached_prompt_tokens=u.cached_prompt_tokens,
+                draft_tokens=u.draft_tokens,
+                accepted_draft_tokens=u.accepted_draft_tokens,
             )
         )
     if out.timing is not None:

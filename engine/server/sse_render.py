@@ -32,6 +32,13 @@ def usage_dict(usage: Usage | None) -> dict | None:
     }
     if usage.cached_prompt_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": usage.cached_prompt_tokens}
+    if usage.draft_tokens:
+        # speculative decoding in OpenAI's fields for predicted outputs: draft tokens the model
+        # accepted (they are in the completion) and those it rejected
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_draft_tokens,
+            "rejected_prediction_tokens": usage.draft_tokens - usage.accepted_draft_tokens,
+        }
     return out
 
 

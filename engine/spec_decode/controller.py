@@ -320,17 +320,20 @@ class SpeculativeDecoder:
         result: ModelRunnerOutput,
         running: Sequence[Request],
         applied: dict[int, int] | None = None,
-    ) -> None:
-        """The engine's one call per step: learn from this step's verifications, draft the next."""
-        self.observe(sched, result, applied)
+    ) -> list[tuple[int, int, int]]:
+        """The engine's one call per step: learn from this step's verifications, draft the next.
+        Returns the verifications (see `observe`)."""
+        checks = self.observe(sched, result, applied)
         self.propose(running)
+        return checks
 
     def observe(
         self, sched: SchedulerOutput, result: ModelRunnerOutput, applied: dict[int, int] | None = None
-    ) -> None:
+    ) -> list[tuple[int, int, int]]:
         """Feed acceptance per sequence to the policy and the totals; `applied`: tokens the step
         applied per sequence (a chained step also computes rows of sequences that stopped the
-        step before, and device steps past a sequence's stop: not counted)."""
+        step before, and device steps past a sequence's stop: not counted). Returns the step's
+        verifications as (seq_id, draft tokens, accepted), one per device step that had drafts."""
         if result.verified_drafts is not None:  # decided on the device: filler drafts not verified
             checks = result.verifications(applied)
             self._known.update(seq_id for seq_id, _, _ in checks)  # forgotten by a later propose()
@@ -343,6 +346,7 @@ class SpeculativeDecoder:
             checks = [
                 (st.seq_id, s.num_spec_tokens, len(st.token_ids) - 1) for s, st in _with_drafts(sched, result)
             ]
+        verified = []
         for seq_id, k, accepted in checks:
             self.policy.observe(seq_id, k, accepted)  # (k = 0: a step's tokens, no acceptance)
             if k == 0:
@@ -351,6 +355,8 @@ class SpeculativeDecoder:
             self.stats.num_accepted_tokens += accepted
             self.stats.num_verified_sequences += 1
             self.stats.num_emitted_tokens += accepted + 1
+            verified.append((seq_id, k, accepted))
+        return verified
 
 
 def _with_drafts(sched: SchedulerOutput, result: ModelRunnerOutput):

@@ -21,6 +21,7 @@ SERVER_MODEL = "tiny"
 SERVER_ARGS = ("--speculative-method", "ngram", "--num-speculative-tokens", "3")
 PROMPT = "ab ab ab ab ab ab ab ab ab ab ab ab"  # the random model's continuation repeats: drafts match
 DRAFTS = "pagedinfer_spec_decode_draft_tokens_total"
+ACCEPTED = "pagedinfer_spec_decode_accepted_tokens_total"
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,8 @@ def _counter(server, name: str) -> float:
     )
 
 
-def _complete(client, model, **extra) -> str:
-    out = client.completions.create(
+def _completion(client, model, **extra):
+    return client.completions.create(
         model=model,
         prompt=PROMPT,
         max_tokens=40,
@@ -45,38 +46,47 @@ def _complete(client, model, **extra) -> str:
         seed=extra.pop("seed", None),
         extra_body={"ignore_eos": True, **extra},
     )
-    return out.choices[0].text
+
+
+def _complete(client, model, **extra) -> str:
+    return _completion(client, model, **extra).choices[0].text
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"])
 def test_speculation_per_request_through_the_openai_sdk(client, model, server, sampling) -> None:
-    before = _counter(server, DRAFTS)
-    fast = _complete(client, model, **sampling)
-    drafted = _counter(server, DRAFTS)
+    before, accepted_before = _counter(server, DRAFTS), _counter(server, ACCEPTED)
+    fast = _completion(client, model, **sampling)
+    drafted, accepted = _counter(server, DRAFTS), _counter(server, ACCEPTED)
     assert drafted > before  # this request speculated
-    plain = _complete(client, model, use_speculation=False, **sampling)
+    # its usage has its own drafts (the requests run one at a time): OpenAI's predicted-output fields
+    details = fast.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == accepted - accepted_before > 0, fast.usage
+    assert details.rejected_prediction_tokens == (drafted - before) - (accepted - accepted_before)
+    plain = _completion(client, model, use_speculation=False, **sampling)
     assert _counter(server, DRAFTS) == drafted  # that one did not
-    assert fast == plain
+    assert plain.usage.completion_tokens_details is None
+    assert fast.choices[0].text == plain.choices[0].text
     server.wait_idle()
 
 
 def test_speculation_per_request_through_grpc(client, model, stub, server) -> None:
-    def generate(**sampling) -> str:
+    def generate(**sampling) -> tuple[str, pb.Usage]:
         params = pb.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, **sampling)
-        responses = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=params), timeout=120)
-        return "".join(d.text for r in responses for d in r.deltas)
+        responses = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=params), timeout=120))
+        return "".join(d.text for r in responses for d in r.deltas), responses[-1].usage
 
-    before = _counter(server, DRAFTS)
-    plain = generate(use_speculation=False)
-    assert _counter(server, DRAFTS) == before
-    fast = generate()
-    assert _counter(server, DRAFTS) > before
+    before, accepted_before = _counter(server, DRAFTS), _counter(server, ACCEPTED)
+    plain, plain_usage = generate(use_speculation=False)
+    assert _counter(server, DRAFTS) == before and plain_usage.draft_tokens == 0
+    fast, usage = generate()
+    assert usage.draft_tokens == _counter(server, DRAFTS) - before > 0
+    assert usage.accepted_draft_tokens == _counter(server, ACCEPTED) - accepted_before
     assert fast == plain == _complete(client, model)
     server.wait_idle()
 
 
 async def test_speculation_per_request_through_the_websocket(client, model, server) -> None:
-    async def generate(ws, gen_id: str, **extra) -> str:
+    async def generate(ws, gen_id: str, **extra) -> tuple[str, dict]:
         msg = {"type": "generate", "id": gen_id, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
         await ws.send(json.dumps({**msg, "ignore_eos": True, **extra}))
         text = ""
@@ -86,15 +96,17 @@ async def test_speculation_per_request_through_the_websocket(client, model, serv
                 text += "".join(d["text"] for d in reply["deltas"])
             else:
                 assert reply["type"] == "done", reply
-                return text
+                return text, reply["usage"]
 
     async with websockets.connect(server.ws) as ws:
         assert json.loads(await ws.recv())["type"] == "hello"
         before = _counter(server, DRAFTS)
-        plain = await generate(ws, "plain", use_speculation=False)
-        assert _counter(server, DRAFTS) == before
-        fast = await generate(ws, "fast")
-        assert _counter(server, DRAFTS) > before
+        plain, plain_usage = await generate(ws, "plain", use_speculation=False)
+        assert _counter(server, DRAFTS) == before and "completion_tokens_details" not in plain_usage
+        fast, usage = await generate(ws, "fast")
+        details = usage["completion_tokens_details"]
+        drafted = details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+        assert drafted == _counter(server, DRAFTS) - before > 0
     assert fast == plain == _complete(client, model)
     server.wait_idle()
 

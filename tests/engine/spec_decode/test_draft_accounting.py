@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from pagedinfer.engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -77,3 +79,42 @@ def test_a_step_above_the_batch_cutoff_counts_its_sequences_as_disabled(tiny_lla
     stats = llm.core.spec_decoder.stats
     # 7 sequences run together to the end (same max_tokens): 7 per decoding step, none drafts
     assert stats.num_disabled_sequence_steps == 7 * 7 and stats.num_draft_tokens == 0
+
+
+def _usage_totals(outputs) -> tuple[int, int]:
+    return sum(o.usage.draft_tokens for o in outputs), sum(o.usage.accepted_draft_tokens for o in outputs)
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["sync", "chained"])
+def test_each_request_reports_its_own_drafts_in_its_usage(tiny_llama_dir, chained):
+    """The per-request counts (usage.draft_tokens / accepted_draft_tokens, what the servers show)
+    add up to the engine's totals, with n = 2 and, chained, several verifications per host step."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, device_chain_steps=3)
+    llm = LLM(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            cache=CacheConfig(block_size=4, num_blocks=512),
+            scheduler=SchedulerConfig(max_model_len=128, async_scheduling=chained),
+            device=DeviceConfig(device="cpu", dtype="float32"),
+            speculative=spec,
+        )
+    )
+    params = [_greedy(24 + 3 * i) for i in range(len(_prompts()))]
+    params[-1] = SamplingParams(max_tokens=20, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=params)
+    stats = llm.core.spec_decoder.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    # chained: host steps that applied several device steps (verifications) at once
+    assert (llm.core.num_applied_device_steps > llm.core._step) is chained
+    assert _usage_totals(outputs) == (stats.num_draft_tokens, stats.num_accepted_tokens)
+    for out in outputs:
+        u = out.usage
+        assert 0 <= u.accepted_draft_tokens <= u.draft_tokens
+        assert u.accepted_draft_tokens <= u.completion_tokens  # accepted drafts are output tokens
+    repetitive = outputs[-2].usage  # [5..9] x 4: drafts from the prompt
+    assert repetitive.draft_tokens > 0
+    plain = llm.generate(
+        prompt_token_ids=_prompts()[-2:-1],
+        sampling_params=SamplingParams(max_tokens=8, use_speculation=False),
+    )
+    assert _usage_totals(plain) == (0, 0)
