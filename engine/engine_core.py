@@ -256,6 +256,7 @@ class EngineCore:
             updates = self.scheduler.update(sched, result)
             if ahead is not None:
                 resolve_lookahead(self.scheduler, ahead)
+        per_position = None
         if self.spec_decoder is not None:
             applied = None
             if sched.feeds_drafts:  # rows of sequences that stopped before do not count
@@ -268,6 +269,7 @@ class EngineCore:
                 checks = self.spec_decoder.observe(sched, result, applied)
             if checks:
                 _attribute_verifications(updates, checks)
+                per_position = _per_position(checks)
         self.last_step_phases = StepPhases(
             t_sched - start,
             t_forward - t_sched,
@@ -279,6 +281,9 @@ class EngineCore:
         )
         self._step += 1
         self._pending = _Pending(sched, result, updates, self.scheduler.take_finished(), self._snapshot())
+        if per_position is not None:
+            stats = self._pending.snapshot
+            stats.draft_tokens_per_position, stats.accepted_tokens_per_position = per_position
         self._pending.snapshot.step_time_s = time.perf_counter() - start
         if not self.scheduler.has_unfinished():  # an in-flight lookahead only has dropped rows
             outputs += self._flush_pending()
@@ -433,3 +438,16 @@ def _attribute_verifications(updates: list[SequenceUpdate], checks: list[tuple[i
         if u is not None:
             u.num_draft_tokens += drafts
             u.num_accepted_tokens += accepted
+
+
+def _per_position(checks: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(drafts verified, accepted) per draft position over the step's verifications: a
+    verification of k drafts that accepted a checks positions 0..k-1 and accepts 0..a-1."""
+    width = max(k for _, k, _ in checks)
+    drafted, accepted = [0] * width, [0] * width
+    for _, k, a in checks:
+        for i in range(k):
+            drafted[i] += 1
+        for i in range(a):
+            accepted[i] += 1
+    return tuple(drafted), tuple(accepted)

@@ -50,6 +50,10 @@ REQUESTS_TOTAL = PREFIX + "requests_total"  # label finish_reason
 PREEMPTIONS_TOTAL = PREFIX + "preemptions_total"
 SPEC_DRAFT_TOKENS_TOTAL = PREFIX + "spec_decode_draft_tokens_total"
 SPEC_ACCEPTED_TOKENS_TOTAL = PREFIX + "spec_decode_accepted_tokens_total"
+# label position (0: the first draft token): their ratio is the acceptance at that position, what
+# tells whether a larger K would pay (vLLM's spec_decode_num_accepted_tokens_per_pos)
+SPEC_DRAFT_PER_POSITION_TOTAL = PREFIX + "spec_decode_draft_tokens_per_position_total"
+SPEC_ACCEPTED_PER_POSITION_TOTAL = PREFIX + "spec_decode_accepted_tokens_per_position_total"
 # Gauges, read from engine.stats() at scrape time.
 NUM_RUNNING = PREFIX + "num_requests_running"
 NUM_WAITING = PREFIX + "num_requests_waiting"
@@ -81,6 +85,8 @@ METRIC_NAMES: tuple[str, ...] = (
     PREEMPTIONS_TOTAL,
     SPEC_DRAFT_TOKENS_TOTAL,
     SPEC_ACCEPTED_TOKENS_TOTAL,
+    SPEC_DRAFT_PER_POSITION_TOTAL,
+    SPEC_ACCEPTED_PER_POSITION_TOTAL,
     NUM_RUNNING,
     NUM_WAITING,
     KV_USAGE,
@@ -265,6 +271,20 @@ class ServingMetrics:
         self.spec_accepted = Counter(
             _counter_family(SPEC_ACCEPTED_TOKENS_TOTAL), "Draft tokens accepted.", labels, registry=r
         )
+        by_position = ["model", "position"]
+        self.spec_draft_by_position = Counter(
+            _counter_family(SPEC_DRAFT_PER_POSITION_TOTAL),
+            "Draft tokens verified at each draft position (0: the first).",
+            by_position,
+            registry=r,
+        )
+        self.spec_accepted_by_position = Counter(
+            _counter_family(SPEC_ACCEPTED_PER_POSITION_TOTAL),
+            "Draft tokens accepted at each draft position (0: the first).",
+            by_position,
+            registry=r,
+        )
+        self._by_position: list[tuple[Any, Any]] = []  # per position: (draft, accepted) series
         # Every process sees every step: one counts the engine's step counters into the shared
         # files (summed over processes), the others only create the series at 0.
         self._counts_steps = api_server_index in (None, 0)
@@ -322,10 +342,27 @@ class ServingMetrics:
         if self._counts_steps:
             self._spec_draft.inc(step.num_draft_tokens)
             self._spec_accepted.inc(step.num_accepted_tokens)
+            for i, (drafted, accepted) in enumerate(
+                zip(step.draft_tokens_per_position, step.accepted_tokens_per_position, strict=True)
+            ):
+                draft_series, accepted_series = self._position_series(i)
+                draft_series.inc(drafted)
+                accepted_series.inc(accepted)
         with self._spec_lock:
             self._num_draft_tokens += step.num_draft_tokens
             self._num_accepted_tokens += step.num_accepted_tokens
             self._num_verified_seqs += step.num_verified_seqs
+
+    def _position_series(self, position: int) -> tuple[Any, Any]:
+        while len(self._by_position) <= position:
+            label = str(len(self._by_position))
+            self._by_position.append(
+                (
+                    self.spec_draft_by_position.labels(self.model, label),
+                    self.spec_accepted_by_position.labels(self.model, label),
+                )
+            )
+        return self._by_position[position]
 
     def acceptance_ratio(self) -> float:
         """Accepted / proposed draft tokens since start (0 without speculation)."""

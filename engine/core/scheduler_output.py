@@ -180,6 +180,9 @@ class StepStats:
     step_time_s: float = 0.0
     batch_size: int = 0
     num_verified_seqs: int = 0  # speculating sequences verified this step (mean accepted length)
+    # per draft position i (0: the first draft token): drafts verified there and accepted there
+    draft_tokens_per_position: tuple[int, ...] = ()
+    accepted_tokens_per_position: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

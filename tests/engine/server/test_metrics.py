@@ -47,7 +47,9 @@ def test_every_declared_name_is_exported() -> None:
     sm.attach_engine(lambda: {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25}, lambda: True)
     sm.observe_finished(_final(5, 3), "length")
     sm.observe_step_gap(0.1, 2)
-    sm.on_step(_step(num_draft_tokens=8, num_accepted_tokens=6, num_verified_seqs=2))
+    # two sequences verified 4 drafts each: one accepted all, the other the first two
+    per_position = {"draft_tokens_per_position": (2, 2, 2, 2), "accepted_tokens_per_position": (2, 2, 1, 1)}
+    sm.on_step(_step(num_draft_tokens=8, num_accepted_tokens=6, num_verified_seqs=2, **per_position))
     sm.on_step(_step(num_draft_tokens=0, num_accepted_tokens=0))
     assert _family_names(sm.registry) == set(m.METRIC_NAMES)
     s = _samples(sm.registry)
@@ -62,6 +64,10 @@ def test_every_declared_name_is_exported() -> None:
     assert s[("pagedinfer_spec_decode_acceptance_ratio", (("model", "tiny"),))] == 0.75
     # Two sequences verified 4 drafts each, 6 accepted: (6 + 2) / 2 tokens per verifying step.
     assert s[("pagedinfer_spec_decode_mean_accepted_length", (("model", "tiny"),))] == 4.0
+    for i, accepted in enumerate((2, 2, 1, 1)):
+        labels = (("model", "tiny"), ("position", str(i)))
+        assert s[("pagedinfer_spec_decode_draft_tokens_per_position_total", labels)] == 2
+        assert s[("pagedinfer_spec_decode_accepted_tokens_per_position_total", labels)] == accepted
 
 
 def test_vllm_names_switch_off_and_registries_are_independent() -> None:

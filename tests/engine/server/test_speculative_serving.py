@@ -116,3 +116,26 @@ def test_a_bad_use_speculation_is_a_400(server, model) -> None:
     r = httpx.post(f"{server.http}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert "use_speculation" in r.json()["error"]["message"]
+
+
+def test_acceptance_per_draft_position_in_the_exposition(client, model, server) -> None:
+    """Per-position counters add up to the totals; a draft is accepted only after every earlier
+    one, so neither series grows with the position; K = 3 positions."""
+    _complete(client, model)
+    server.wait_idle()
+    text = httpx.get(f"{server.http}/metrics", timeout=10).text
+    by_position: dict[str, dict[int, float]] = {"draft": {}, "accepted": {}}
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            for kind in by_position:
+                if s.name == f"pagedinfer_spec_decode_{kind}_tokens_per_position_total":
+                    by_position[kind][int(s.labels["position"])] = s.value
+                elif s.name == f"pagedinfer_spec_decode_{kind}_tokens_total":
+                    totals[kind] = s.value
+    assert sorted(by_position["draft"]) == [0, 1, 2], by_position
+    for kind, series in by_position.items():
+        assert sum(series.values()) == totals[kind] > 0, (kind, series, totals)
+        values = [series[i] for i in sorted(series)]
+        assert values == sorted(values, reverse=True), (kind, values)
+    assert all(by_position["accepted"][i] <= by_position["draft"][i] for i in range(3))
