@@ -6,7 +6,7 @@ kernel (extend_attention.py) gives every (query tile, query head) a program of >
 query head of its group, and the whole context streams through one serial loop per program.
 
 Here a program takes every new token of one sequence times the GROUP query heads of one KV head
-(row r = token * GROUP_P2 + head in group, so a K/V tile is loaded once for all of them) and one
+(row r = token * GROUP + head in group, so a K/V tile is loaded once for all of them) and one
 split of the context, as the decode kernel does; row r sees the keys up to its own position
 (seq_len - q_len + token). With several splits each writes a normalized partial and its base-2
 log-sum-exp per (token, head) row, merged as the decode kernel's are (decode_attention.
@@ -41,7 +41,7 @@ from pagedinfer.kernels.decode_merge import (
 )
 from pagedinfer.kernels.launch_args import paged_attention_strides
 
-# Rows of one program (query tokens x group heads, padded to powers of two) up to which the short
+# Rows of one program (query tokens x group heads, packed, padded to a power of two) up to which the short
 # path is taken: 16 tokens at group 4 (Llama-3-8B), 8 at group 8. What bounds it is the program's
 # size (its fp32 accumulator is ROWS x D_PAD: 64 registers a thread at 64 x 128 and 4 warps), not
 # the tiled kernel's padding, which is still most of its 64-128-row tiles at 17 tokens. Measured
@@ -77,12 +77,9 @@ def default_config(device: torch.device) -> ShortExtendConfig:
 
 
 def rows_per_program(max_query_len: int, group: int) -> int:
-    return max(16, triton.next_power_of_2(max(1, max_query_len)) * triton.next_power_of_2(group))
-
-
-def merge_rows_per_program(max_query_len: int, group: int) -> int:
-    """Rows the fused merge of one (sequence, KV head) takes: tokens x group, packed."""
-    return max(2, triton.next_power_of_2(max(1, max_query_len) * group))
+    """A program's rows: tokens x group packed (row = token * group + head), padded to a power of
+    two of at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(max(1, max_query_len) * group))
 
 
 def takes(max_query_len: int | None, num_heads: int, num_kv_heads: int) -> bool:
@@ -110,9 +107,8 @@ def _short_extend_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bts, stride_ot, stride_oh, head_dim, num_heads, num_splits,
     IS_SPLIT: tl.constexpr, MERGE_FUSED: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
 ):  # fmt: skip
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge may be scheduled now; it waits for our results
@@ -126,10 +122,12 @@ def _short_extend_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
+    # rows packed as token * GROUP + head: SmolLM2's 5 tokens x group 3 are 16 rows, not the 32 of
+    # padding tokens and group each to a power of two
     r = tl.arange(0, ROWS)
-    tok = r // GROUP_P2
-    g = r % GROUP_P2
-    row_ok = (tok < q_len) & (g < GROUP)
+    tok = r // GROUP
+    g = r % GROUP
+    row_ok = tok < q_len
     heads = kv_head * GROUP + g  # [ROWS]
     last_key = tl.where(row_ok, seq_len - q_len + tok, -1)  # causal: the row's own position
     tokens = (q_start + tok).to(tl.int64)
@@ -175,17 +173,10 @@ def _short_extend_kernel(
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                # The merge's rows packed (token * GROUP + head, no power-of-two padding of the
-                # group): SmolLM2's 5 tokens x group 3 merge as 16 rows, not the loop's 32, so each
-                # of its serial loads takes twice the splits.
-                m = tl.arange(0, MERGE_ROWS)
-                m_tok = m // GROUP
-                m_heads = kv_head * GROUP + m % GROUP
-                m_tokens = (q_start + m_tok).to(tl.int64)
-                o_rows = out_ptr + m_tokens * stride_ot + m_heads * stride_oh
+                o_rows = out_ptr + tokens * stride_ot + heads * stride_oh
                 merge_rows(
-                    part_out_ptr, part_lse_ptr, m_tokens * num_heads + m_heads, m_tok < q_len, o_rows,
-                    head_dim, num_splits, SPLITS_PAD, SPLIT_CHUNK, D_PAD,
+                    part_out_ptr, part_lse_ptr, tokens * num_heads + heads, row_ok, o_rows, head_dim,
+                    num_splits, SPLITS_PAD, SPLIT_CHUNK, D_PAD,
                 )  # fmt: skip
                 tl.store(counter, 0)  # zero again for the next call (and the next graph replay)
 
@@ -239,7 +230,6 @@ def paged_short_extend_attention(
     use_pdl = merge is SplitMerge.PDL
     # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK (fixed otherwise: no recompiles).
     splits_pad = max(2, triton.next_power_of_2(num_splits)) if merge is SplitMerge.FUSED else 2
-    merged_rows = merge_rows_per_program(max_query_len, group) if merge is SplitMerge.FUSED else 2
     _short_extend_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -260,14 +250,12 @@ def paged_short_extend_attention(
         MERGE_FUSED=merge is SplitMerge.FUSED,
         LAUNCH_DEPENDENTS=use_pdl,
         GROUP=group,
-        GROUP_P2=triton.next_power_of_2(group),
         ROWS=rows,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         D_PAD=d_pad,
         SPLITS_PAD=splits_pad,
-        SPLIT_CHUNK=fused_split_chunk(merged_rows, d_pad, splits_pad),
-        MERGE_ROWS=merged_rows,
+        SPLIT_CHUNK=fused_split_chunk(rows, d_pad, splits_pad),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
