@@ -258,18 +258,21 @@ class EngineCore:
                 resolve_lookahead(self.scheduler, ahead)
         per_position = None
         if self.spec_decoder is not None:
-            applied = None
-            if sched.feeds_drafts:  # rows of sequences that stopped before do not count
-                applied = {u.seq_id: len(u.new_token_ids) for u in updates}
-                if len(applied) != len(result.sampled) or sched.num_device_steps > 1:
-                    _count_applied(result, applied)
+            # Tokens applied per sequence: rows of sequences that stopped the step before, device
+            # steps past a stop and tokens past max_tokens / EOS / a stop id count no acceptance.
+            applied = {u.seq_id: len(u.new_token_ids) for u in updates}
             if self._inflight is None:  # learn acceptance, draft the next step's tokens
                 checks = self.spec_decoder.after_step(sched, result, self.scheduler.running, applied)
             else:  # the next step is already launched: only learn
                 checks = self.spec_decoder.observe(sched, result, applied)
-            if checks:
+            verified = [c for c in checks if c[1]]
+            # the step's totals (metrics) from the same verifications as the decoder's stats
+            result.num_draft_tokens = sum(k for _, k, _ in verified)
+            result.num_accepted_tokens = sum(a for _, _, a in verified)
+            result.num_verified_seqs = len(verified)
+            if verified:
                 _attribute_verifications(updates, checks)
-                per_position = _per_position(checks)
+                per_position = _per_position(verified)
         self.last_step_phases = StepPhases(
             t_sched - start,
             t_forward - t_sched,
@@ -421,23 +424,15 @@ class EngineCore:
         }
 
 
-def _count_applied(result: ModelRunnerOutput, applied: dict[int, int]) -> None:
-    """A chained step's draft totals over the tokens it applied (ModelRunnerOutput.verifications)."""
-    checks = result.verifications(applied)
-    result.num_draft_tokens = sum(k for _, k, _ in checks)
-    result.num_accepted_tokens = sum(a for _, k, a in checks if k)
-    result.num_verified_seqs = sum(1 for _, k, _ in checks if k)
-
-
 def _attribute_verifications(updates: list[SequenceUpdate], checks: list[tuple[int, int, int]]) -> None:
-    """Each sequence's verified and accepted draft tokens of this step onto its update, for the
-    request's usage (a chained step verifies several times per sequence)."""
+    """Each sequence's verifications of this step onto its update, in emission order, for the
+    request's usage (a chained step verifies several times per sequence; its no-draft device
+    steps stay in the list: the output processor walks the tokens by them)."""
     by_seq = {u.seq_id: u for u in updates}
     for seq_id, drafts, accepted in checks:
         u = by_seq.get(seq_id)
         if u is not None:
-            u.num_draft_tokens += drafts
-            u.num_accepted_tokens += accepted
+            u.verifications.append((drafts, accepted))
 
 
 def _per_position(checks: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedinfer.engine.core.scheduler import Scheduler
-from pagedinfer.engine.core.scheduler_output import SequenceUpdate, TokenLogprobs
+from pagedinfer.engine.core.scheduler_output import SequenceUpdate, TokenLogprobs, within_end
 from pagedinfer.engine.detokenizer import Decoder, IncrementalDetokenizer
 from pagedinfer.engine.outputs import (
     CompletionDelta,
@@ -81,10 +81,6 @@ class OutputProcessor:
 
     def _delta(self, state: _RequestState, u: SequenceUpdate) -> CompletionDelta:
         delta = CompletionDelta(u.index, token_ids=list(u.new_token_ids))
-        if u.num_draft_tokens:
-            seq = state.sequences[u.index]
-            seq.num_draft_tokens += u.num_draft_tokens
-            seq.num_accepted_tokens += u.num_accepted_tokens
         logprobs = u.logprobs
         detok = state.detokenizers[u.index]
         if detok is not None:
@@ -106,6 +102,8 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
         if logprobs is not None:
             delta.logprobs = [self._logprobs(lp) for lp in logprobs]
+        if u.verifications:
+            _count_drafts(state.sequences[u.index], u.verifications, len(delta.token_ids))
         return delta
 
     def _finish_delta(self, state: _RequestState, index: int, delta: CompletionDelta) -> None:
@@ -146,6 +144,21 @@ class OutputProcessor:
 
         top = tuple(one(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=False))
         return SampleLogprobs(one(lp.token_id, lp.logprob), top)
+
+
+def _count_drafts(seq: Request, verifications: list[tuple[int, int]], num_kept: int) -> None:
+    """A step's verifications onto the sequence's usage counts, up to the num_kept tokens output
+    (a stop string can cut the step's last ones): each verification's tokens are its accepted
+    drafts and one more; one cut inside its accepted drafts counts up to the cut (`within_end`),
+    one cut whole not at all."""
+    left = num_kept
+    for drafts, accepted in verifications:
+        if left <= 0:
+            break
+        drafts, accepted = within_end(drafts, accepted, left)
+        seq.num_draft_tokens += drafts
+        seq.num_accepted_tokens += accepted
+        left -= accepted + 1
 
 
 def _timing(sequences: list[Request]) -> RequestTiming:

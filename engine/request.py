@@ -51,7 +51,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculation: draft tokens verified for this sequence so far
-    num_accepted_tokens: int = 0  # ... and accepted (they are among its output tokens)
+    num_accepted_tokens: int = 0  # ... and accepted among its output tokens
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

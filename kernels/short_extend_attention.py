@@ -6,8 +6,9 @@ kernel (extend_attention.py) gives every (query tile, query head) a program of >
 query head of its group, and the whole context streams through one serial loop per program.
 
 Here a program takes every new token of one sequence times the GROUP query heads of one KV head
-(row r = token * GROUP + head in group, so a K/V tile is loaded once for all of them) and one
-split of the context, as the decode kernel does; row r sees the keys up to its own position
+(row r = token * GROUP + head in group, or token * GROUP_P2 + head: `packs_rows`; a K/V tile is
+loaded once for all of them) and one split of the context, as the decode kernel does; row r sees
+the keys up to its own position
 (seq_len - q_len + token). With several splits each writes a normalized partial and its base-2
 log-sum-exp per (token, head) row, merged as the decode kernel's are (decode_attention.
 default_merge for the same grid, up to FUSED_MAX_SPLITS splits): by a second kernel, launched as a
@@ -77,9 +78,21 @@ def default_config(device: torch.device) -> ShortExtendConfig:
 
 
 def rows_per_program(max_query_len: int, group: int) -> int:
-    """A program's rows: tokens x group packed (row = token * group + head), padded to a power of
-    two of at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(max(1, max_query_len) * group))
+    """A program's rows: tokens x group, padded to a power of two of at least 16 (tl.dot's
+    minimum); packed (`packs_rows`) where padding tokens and group each takes more."""
+    tokens = max(1, max_query_len)
+    padded = max(16, triton.next_power_of_2(tokens) * triton.next_power_of_2(group))
+    return min(padded, max(16, triton.next_power_of_2(tokens * group)))
+
+
+def packs_rows(max_query_len: int, group: int) -> bool:
+    """Whether rows are packed as token * group + head (SmolLM2's 5 tokens x group 3: 16 rows) or
+    laid out as token * group_p2 + head (padding each: 32 there). Packed only where it takes fewer
+    rows: at equal rows the padded layout measured faster in the engine (H100, n-gram batch 8, K 2:
+    verifying pass 1.04 vs 1.065 of a plain one, bench/NOTES.md session 27)."""
+    tokens = max(1, max_query_len)
+    padded = max(16, triton.next_power_of_2(tokens) * triton.next_power_of_2(group))
+    return max(16, triton.next_power_of_2(tokens * group)) < padded
 
 
 def takes(max_query_len: int | None, num_heads: int, num_kv_heads: int) -> bool:
@@ -107,7 +120,8 @@ def _short_extend_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bts, stride_ot, stride_oh, head_dim, num_heads, num_splits,
     IS_SPLIT: tl.constexpr, MERGE_FUSED: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, PACKED: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
     if LAUNCH_DEPENDENTS:
@@ -122,12 +136,15 @@ def _short_extend_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    # rows packed as token * GROUP + head: SmolLM2's 5 tokens x group 3 are 16 rows, not the 32 of
-    # padding tokens and group each to a power of two
     r = tl.arange(0, ROWS)
-    tok = r // GROUP
-    g = r % GROUP
-    row_ok = tok < q_len
+    if PACKED:  # token * GROUP + head (packs_rows)
+        tok = r // GROUP
+        g = r % GROUP
+        row_ok = tok < q_len
+    else:  # token * GROUP_P2 + head
+        tok = r // GROUP_P2
+        g = r % GROUP_P2
+        row_ok = (tok < q_len) & (g < GROUP)
     heads = kv_head * GROUP + g  # [ROWS]
     last_key = tl.where(row_ok, seq_len - q_len + tok, -1)  # causal: the row's own position
     tokens = (q_start + tok).to(tl.int64)
@@ -250,6 +267,8 @@ def paged_short_extend_attention(
         MERGE_FUSED=merge is SplitMerge.FUSED,
         LAUNCH_DEPENDENTS=use_pdl,
         GROUP=group,
+        GROUP_P2=triton.next_power_of_2(group),
+        PACKED=packs_rows(max_query_len, group),
         ROWS=rows,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,

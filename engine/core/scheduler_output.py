@@ -141,25 +141,38 @@ class ModelRunnerOutput:
     gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
 
     def verifications(self, applied: dict[int, int] | None = None) -> list[tuple[int, int, int]]:
-        """A device-decided step's verifications as (seq_id, drafts, accepted), filler included.
+        """A device-decided step's verifications as (seq_id, drafts, accepted), filler included,
+        in the order their tokens were emitted.
 
         `applied`: tokens the scheduler applied per sequence; sequences absent from it count no
         verification, and with several device steps a sequence counts only those that started
-        before its applied tokens ended (it stopped, or it had stopped the step before)."""
+        before its applied tokens ended (it stopped, or it had stopped the step before). A
+        verification whose sequence ended inside its accepted drafts (max_tokens, EOS, a stop id)
+        counts the draft positions up to the end only (`within_end`)."""
         out = []
         for b, st in enumerate(self.sampled):
             limit = len(st.token_ids) if applied is None else applied.get(st.seq_id, 0)
             if self.device_steps is None:
                 if limit:
-                    out.append((st.seq_id, self.verified_drafts[b], len(st.token_ids) - 1))
+                    out.append(
+                        (st.seq_id, *within_end(self.verified_drafts[b], len(st.token_ids) - 1, limit))
+                    )
                 continue
             consumed = 0
             for drafts, emitted in self.device_steps[b]:
                 if consumed >= limit:
                     break
-                out.append((st.seq_id, drafts, emitted - 1))
+                out.append((st.seq_id, *within_end(drafts, emitted - 1, limit - consumed)))
                 consumed += emitted
         return out
+
+
+def within_end(drafts: int, accepted: int, kept: int) -> tuple[int, int]:
+    """(drafts, accepted) of a verification of which only `kept` tokens stand (its tokens are its
+    accepted drafts and one more): where the sequence ended inside the accepted drafts, the
+    positions past its end count neither as drafted nor as accepted (truncation is no rejection:
+    the target accepted them), else unchanged."""
+    return (kept, kept) if kept <= accepted else (drafts, accepted)
 
 
 @dataclass
@@ -195,6 +208,6 @@ class SequenceUpdate:
     new_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
     is_finished: bool = False
-    # speculation this step: draft tokens the target verified, and how many of them it accepted
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    # speculation this step: (draft tokens verified, accepted) per verification, in the order
+    # their tokens (accepted drafts + 1) are in new_token_ids
+    verifications: list[tuple[int, int]] = field(default_factory=list)

@@ -21,6 +21,7 @@ from pagedinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
     SamplingRow,
     SchedulerOutput,
+    within_end,
 )
 from pagedinfer.engine.request import Request, RequestStatus
 from pagedinfer.engine.sample.metadata import SamplingMetadata
@@ -331,9 +332,11 @@ class SpeculativeDecoder:
         self, sched: SchedulerOutput, result: ModelRunnerOutput, applied: dict[int, int] | None = None
     ) -> list[tuple[int, int, int]]:
         """Feed acceptance per sequence to the policy and the totals; `applied`: tokens the step
-        applied per sequence (a chained step also computes rows of sequences that stopped the
-        step before, and device steps past a sequence's stop: not counted). Returns the step's
-        verifications as (seq_id, draft tokens, accepted), one per device step that had drafts."""
+        applied per sequence (a step also computes rows of sequences that stopped the step before,
+        and a chained one device steps past a sequence's stop: not counted; accepted drafts count
+        as far as they were applied). Returns the step's verifications as (seq_id, draft tokens,
+        accepted) in the order their tokens were emitted, a chained step's no-draft device steps
+        included (0 drafts)."""
         if result.verified_drafts is not None:  # decided on the device: filler drafts not verified
             checks = result.verifications(applied)
             self._known.update(seq_id for seq_id, _, _ in checks)  # forgotten by a later propose()
@@ -343,10 +346,11 @@ class SpeculativeDecoder:
                     1 for seq_id, k, _ in checks if k == 0 and seq_id in fed
                 )
         else:
-            checks = [
-                (st.seq_id, s.num_spec_tokens, len(st.token_ids) - 1) for s, st in _with_drafts(sched, result)
-            ]
-        verified = []
+            checks = []
+            for s, st in _with_drafts(sched, result):
+                kept = len(st.token_ids) if applied is None else applied.get(st.seq_id, 0)
+                if kept:  # (0: it stopped the step before; its rows were computed for nothing)
+                    checks.append((st.seq_id, *within_end(s.num_spec_tokens, len(st.token_ids) - 1, kept)))
         for seq_id, k, accepted in checks:
             self.policy.observe(seq_id, k, accepted)  # (k = 0: a step's tokens, no acceptance)
             if k == 0:
@@ -355,8 +359,7 @@ class SpeculativeDecoder:
             self.stats.num_accepted_tokens += accepted
             self.stats.num_verified_sequences += 1
             self.stats.num_emitted_tokens += accepted + 1
-            verified.append((seq_id, k, accepted))
-        return verified
+        return checks
 
 
 def _with_drafts(sched: SchedulerOutput, result: ModelRunnerOutput):

@@ -33,6 +33,22 @@ def test_takes_short_chunks_only(max_query_len, num_heads, num_kv_heads, expect)
     assert sea.takes(max_query_len, num_heads, num_kv_heads) is expect
 
 
+@pytest.mark.parametrize(
+    "max_query_len,group,rows,packed",
+    [
+        (5, 3, 16, True),  # SmolLM2 at K = 4: 15 rows packed, 8 x 4 = 32 padded
+        (3, 3, 16, False),  # K = 2: 16 either way, the padded layout
+        (7, 3, 32, False),  # K = 6: 32 either way
+        (5, 4, 32, False),  # Llama-3-8B: a power-of-two group packs the same
+        (16, 3, 64, False),
+        (3, 5, 16, True),  # 15 packed vs 4 x 8 = 32
+    ],
+)
+def test_rows_pack_only_where_fewer(max_query_len, group, rows, packed):
+    assert sea.rows_per_program(max_query_len, group) == rows
+    assert sea.packs_rows(max_query_len, group) is packed
+
+
 def _inputs(q_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2) -> dict:
     seq_lens = [n + 20 for n in q_lens]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
