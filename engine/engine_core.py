@@ -432,6 +432,8 @@ def _attribute_verifications(updates: list[SequenceUpdate], checks: list[tuple[i
     for seq_id, drafts, accepted in checks:
         u = by_seq.get(seq_id)
         if u is not None:
+            if u.verifications is None:
+                u.verifications = []
             u.verifications.append((drafts, accepted))
 
 

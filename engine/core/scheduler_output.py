@@ -209,5 +209,6 @@ class SequenceUpdate:
     logprobs: list[TokenLogprobs] | None = None
     is_finished: bool = False
     # speculation this step: (draft tokens verified, accepted) per verification, in the order
-    # their tokens (accepted drafts + 1) are in new_token_ids
-    verifications: list[tuple[int, int]] = field(default_factory=list)
+    # their tokens (accepted drafts + 1) are in new_token_ids (None: none; no list per update
+    # on the plain decoding path)
+    verifications: list[tuple[int, int]] | None = None
