@@ -265,6 +265,8 @@ class EngineCore:
                 checks = self.spec_decoder.after_step(sched, result, self.scheduler.running, applied)
             else:  # the next step is already launched: only learn
                 checks = self.spec_decoder.observe(sched, result, applied)
+                if not ahead.feeds_drafts:  # planned without drafts: count why, as propose() does
+                    self.spec_decoder.count_undrafted(self.scheduler.running)
             verified = [c for c in checks if c[1]]
             # the step's totals (metrics) from the same verifications as the decoder's stats
             result.num_draft_tokens = sum(k for _, k, _ in verified)

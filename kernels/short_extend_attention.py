@@ -79,10 +79,8 @@ def default_config(device: torch.device) -> ShortExtendConfig:
 
 def rows_per_program(max_query_len: int, group: int) -> int:
     """A program's rows: tokens x group, padded to a power of two of at least 16 (tl.dot's
-    minimum); packed (`packs_rows`) where padding tokens and group each takes more."""
-    tokens = max(1, max_query_len)
-    padded = max(16, triton.next_power_of_2(tokens) * triton.next_power_of_2(group))
-    return min(padded, max(16, triton.next_power_of_2(tokens * group)))
+    minimum). Never more than padding tokens and group each (the other layout, `packs_rows`)."""
+    return max(16, triton.next_power_of_2(max(1, max_query_len) * group))
 
 
 def packs_rows(max_query_len: int, group: int) -> bool:
@@ -90,9 +88,8 @@ def packs_rows(max_query_len: int, group: int) -> bool:
     laid out as token * group_p2 + head (padding each: 32 there). Packed only where it takes fewer
     rows: at equal rows the padded layout measured faster in the engine (H100, n-gram batch 8, K 2:
     verifying pass 1.04 vs 1.065 of a plain one, bench/NOTES.md session 27)."""
-    tokens = max(1, max_query_len)
-    padded = max(16, triton.next_power_of_2(tokens) * triton.next_power_of_2(group))
-    return max(16, triton.next_power_of_2(tokens * group)) < padded
+    padded = max(16, triton.next_power_of_2(max(1, max_query_len)) * triton.next_power_of_2(group))
+    return rows_per_program(max_query_len, group) < padded
 
 
 def takes(max_query_len: int | None, num_heads: int, num_kv_heads: int) -> bool:

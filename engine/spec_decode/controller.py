@@ -127,6 +127,13 @@ class SpeculativeDecoder:
         and `use_speculation` are checked apart)."""
         return params.is_history_free if self.chain_samples else params.is_plain_greedy
 
+    def count_undrafted(self, running: Sequence[Request]) -> None:
+        """A step over `running` planned ahead without drafts (async scheduling, `may_draft`
+        False) never reaches `propose`: count its decoding sequences as disabled when the batch
+        is above max_batch_size, as `propose` would (else none of them wants speculation)."""
+        if not self.policy.is_step_enabled(len(running)):
+            self.stats.num_disabled_sequence_steps += sum(map(_is_decoding, running))
+
     def propose(self, running: Sequence[Request]) -> int:
         """Set `spec_token_ids` of the running sequences that should speculate; returns #drafts."""
         self._draft_probs.clear()

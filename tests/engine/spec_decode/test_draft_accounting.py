@@ -19,12 +19,12 @@ from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.spec_decode.policy import SpeculationStats
 
 
-def _llm(folder, spec: SpeculativeConfig) -> LLM:
+def _llm(folder, spec: SpeculativeConfig, async_scheduling: bool | None = None) -> LLM:
     return LLM(
         EngineConfig(
             model=str(folder),
             cache=CacheConfig(block_size=4, num_blocks=256),
-            scheduler=SchedulerConfig(max_model_len=128),
+            scheduler=SchedulerConfig(max_model_len=128, async_scheduling=async_scheduling),
             device=DeviceConfig(device="cpu", dtype="float32"),
             speculative=spec,
         )
@@ -73,10 +73,13 @@ def test_one_token_left_under_max_tokens_is_capped(tiny_llama_dir):
     assert stats.num_capped_sequence_steps == 1 and stats.num_draft_tokens == 0
 
 
-def test_a_step_above_the_batch_cutoff_counts_its_sequences_as_disabled(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, SpeculativeConfig(method="ngram", max_batch_size=2))
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_above_the_batch_cutoff_counts_its_sequences_as_disabled(tiny_llama_dir, async_scheduling):
+    """Also where such steps are planned ahead without drafts (async): they never reach propose()."""
+    llm = _llm(tiny_llama_dir, SpeculativeConfig(method="ngram", max_batch_size=2), async_scheduling)
     llm.generate(prompt_token_ids=_prompts(), sampling_params=_greedy(8))
     stats = llm.core.spec_decoder.stats
+    assert (llm.core.num_lookahead_steps > 0) is async_scheduling
     # 7 sequences run together to the end (same max_tokens): 7 per decoding step, none drafts
     assert stats.num_disabled_sequence_steps == 7 * 7 and stats.num_draft_tokens == 0
 
