@@ -93,15 +93,7 @@ def test_each_request_reports_its_own_drafts_in_its_usage(tiny_llama_dir, chaine
     """The per-request counts (usage.draft_tokens / accepted_draft_tokens, what the servers show)
     add up to the engine's totals, with n = 2 and, chained, several verifications per host step."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, device_chain_steps=3)
-    llm = LLM(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            cache=CacheConfig(block_size=4, num_blocks=512),
-            scheduler=SchedulerConfig(max_model_len=128, async_scheduling=chained),
-            device=DeviceConfig(device="cpu", dtype="float32"),
-            speculative=spec,
-        )
-    )
+    llm = _llm(tiny_llama_dir, spec, async_scheduling=chained)
     params = [_greedy(24 + 3 * i) for i in range(len(_prompts()))]
     params[-1] = SamplingParams(max_tokens=20, temperature=0.8, seed=3, n=2, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=params)
