@@ -140,9 +140,9 @@ class ModelRunnerOutput:
     device_steps: list[list[tuple[int, int]]] | None = None
     gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
 
-    def verifications(self, applied: dict[int, int] | None = None) -> list[tuple[int, int, int]]:
-        """A device-decided step's verifications as (seq_id, drafts, accepted), filler included,
-        in the order their tokens were emitted.
+    def verifications(self, applied: dict[int, int] | None = None) -> list[tuple[int, int, int, int]]:
+        """A device-decided step's verifications as (seq_id, drafts, accepted, emitted), filler
+        included, in the order their tokens were emitted (emitted: the tokens of it that stand).
 
         `applied`: tokens the scheduler applied per sequence; sequences absent from it count no
         verification, and with several device steps a sequence counts only those that started
@@ -155,16 +155,25 @@ class ModelRunnerOutput:
             if self.device_steps is None:
                 if limit:
                     out.append(
-                        (st.seq_id, *within_end(self.verified_drafts[b], len(st.token_ids) - 1, limit))
+                        (
+                            st.seq_id,
+                            *verification_within_end(self.verified_drafts[b], len(st.token_ids), limit),
+                        )
                     )
                 continue
             consumed = 0
             for drafts, emitted in self.device_steps[b]:
                 if consumed >= limit:
                     break
-                out.append((st.seq_id, *within_end(drafts, emitted - 1, limit - consumed)))
+                out.append((st.seq_id, *verification_within_end(drafts, emitted, limit - consumed)))
                 consumed += emitted
         return out
+
+
+def verification_within_end(drafts: int, emitted: int, kept: int) -> tuple[int, int, int]:
+    """(drafts, accepted, emitted) of a verification that emitted `emitted` tokens (its accepted
+    drafts and one more) of which only `kept` stand: `within_end`, and the tokens that stand."""
+    return (*within_end(drafts, emitted - 1, kept), min(emitted, kept))
 
 
 def within_end(drafts: int, accepted: int, kept: int) -> tuple[int, int]:

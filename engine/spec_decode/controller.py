@@ -21,7 +21,7 @@ from pagedinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
     SamplingRow,
     SchedulerOutput,
-    within_end,
+    verification_within_end,
 )
 from pagedinfer.engine.request import Request, RequestStatus
 from pagedinfer.engine.sample.metadata import SamplingMetadata
@@ -346,27 +346,29 @@ class SpeculativeDecoder:
         included (0 drafts)."""
         if result.verified_drafts is not None:  # decided on the device: filler drafts not verified
             checks = result.verifications(applied)
-            self._known.update(seq_id for seq_id, _, _ in checks)  # forgotten by a later propose()
+            self._known.update(c[0] for c in checks)  # forgotten by a later propose()
             if sched.feeds_drafts:  # its drafts came from the device proposer: 0 = no match
                 fed = {s.seq_id for s in sched.sequences[: sched.num_fed]}  # (not prompts it admitted)
                 self.stats.num_unmatched_sequence_steps += sum(
-                    1 for seq_id, k, _ in checks if k == 0 and seq_id in fed
+                    1 for seq_id, k, _, _ in checks if k == 0 and seq_id in fed
                 )
         else:
             checks = []
             for s, st in _with_drafts(sched, result):
                 kept = len(st.token_ids) if applied is None else applied.get(st.seq_id, 0)
                 if kept:  # (0: it stopped the step before; its rows were computed for nothing)
-                    checks.append((st.seq_id, *within_end(s.num_spec_tokens, len(st.token_ids) - 1, kept)))
-        for seq_id, k, accepted in checks:
+                    checks.append(
+                        (st.seq_id, *verification_within_end(s.num_spec_tokens, len(st.token_ids), kept))
+                    )
+        for seq_id, k, accepted, emitted in checks:
             self.policy.observe(seq_id, k, accepted)  # (k = 0: a step's tokens, no acceptance)
             if k == 0:
                 continue
             self.stats.num_draft_tokens += k
             self.stats.num_accepted_tokens += accepted
             self.stats.num_verified_sequences += 1
-            self.stats.num_emitted_tokens += accepted + 1
-        return checks
+            self.stats.num_emitted_tokens += emitted  # (accepted + 1 unless it ended inside them)
+        return [(seq_id, k, accepted) for seq_id, k, accepted, _ in checks]
 
 
 def _with_drafts(sched: SchedulerOutput, result: ModelRunnerOutput):

@@ -71,3 +71,24 @@ def test_max_tokens_inside_a_verification_counts_only_kept_drafts(tiny_model, ch
     outputs = llm.generate(["ab ab ab ab ab ab ab ab ab ab ab ab"], params)
     _check(llm, outputs)
     assert llm.core.outputs.num_cut_tokens == 0  # (so usage and totals are equal)
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["sync", "chained"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("max_tokens", [5, 9, 17, 33])
+def test_emitted_tokens_are_the_decoded_tokens(tiny_model, method, max_tokens, chained):
+    """Every decoded token (after the prefill's) came from a verification (its `emitted`) or from
+    a sequence-step without a draft (one token): the identity that the benchmark's alpha and
+    tokens per sequence-step rest on. A verification cut by max_tokens inside its accepted
+    drafts emitted only the tokens that stand (it counted one more, the bonus, before)."""
+    llm = _llm(tiny_model, method, 6, chained)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = ["ab ab ab ab ab ab ab ab ab ab ab ab", "xyzxyzxyzxyzxyzxyz", "foo bar baz foo bar baz foo bar"]
+    outputs = llm.generate(prompts, params)
+    stats = llm.core.spec_decoder.stats
+    assert stats.num_verified_sequences > 0
+    no_draft = sum(
+        getattr(stats, f"num_{name}_sequence_steps") for name in ("unmatched", "paused", "capped", "disabled")
+    )
+    decoded = sum(o.usage.completion_tokens for o in outputs) - len(outputs)
+    assert stats.num_emitted_tokens + no_draft == decoded, (stats, decoded)

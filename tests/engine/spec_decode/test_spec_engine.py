@@ -166,7 +166,7 @@ def trace_wasted_device_steps(core) -> list[int]:
     def traced(sched, result, applied=None):
         if sched.feeds_drafts and result.device_steps is not None:
             used: dict[int, int] = {}
-            for seq_id, _, _ in result.verifications(applied):
+            for seq_id, *_ in result.verifications(applied):
                 used[seq_id] = used.get(seq_id, 0) + 1
             wasted.append(sched.num_device_steps - max(used.values(), default=0))
         return observe(sched, result, applied)
