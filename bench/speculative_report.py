@@ -124,8 +124,10 @@ def _full_batch_growth(run, batch: int) -> tuple[int, list[dict]] | None:
     return steps[-1]["kv_tokens"] - steps[1]["kv_tokens"], steps[1:-1]
 
 
-def full_batch_tokens_per_seq_step(run, batch: int) -> float | None:
-    """Tokens a sequence gained per step over the steps with the whole batch running."""
+def full_batch_tokens_per_host_step(run, batch: int) -> float | None:
+    """Tokens a sequence gained per host step over the steps with the whole batch running. A
+    chained host step runs several forward passes: `full_batch_tokens_per_device_step` is per
+    pass (this was `full_batch_tokens_per_seq_step` in results before 2026-12-06 09:00 UTC)."""
     growth = _full_batch_growth(run, batch)
     if growth is None:
         return None
