@@ -10,7 +10,13 @@ distribution (n-gram) q is a point mass on the drafted token.
 
 Everything is vectorized over the batch on the logits' device, with no host sync. Seeded rows
 draw from `rng.hash_uniform` (a function of seed, output position and token only), like the
-non-speculative sampler, so their tokens do not depend on the batch they run in.
+non-speculative sampler, so given the same drafts their tokens do not depend on the batch they
+run in. Whether a step drafts does, for a draft model: an accepted draft is a draw from q, a step
+without drafts a draw from p (both exact samples, not the same one), and drafting switches off
+with load (a step above max_batch_size) and for a sequence the acceptance policy pauses. So a
+seeded draft-model request reproduces under the same load and scheduling mode, not across them
+(found by a review, 2026-12-06). Prompt lookup (a point-mass q) emits the plain draw at every
+position: the same tokens with speculation on or off.
 
 Shapes: B = sequences verified, K = max drafts per sequence in the batch, V = vocabulary.
 """
