@@ -154,7 +154,11 @@ class Scheduler:
         # Never compute past the context: drafts beyond max_model_len are dropped.
         remaining = min(remaining, self.max_model_len - seq.num_computed_tokens)
         if remaining > budget and not self.config.enable_chunked_prefill:
-            return 0
+            # Without chunking a prompt (or a decode's own token) is all or nothing, but drafts are
+            # optional: a decode keeps those that fit (skipping it whole starved it while the
+            # others' drafts took the budget, step after step; found by a review, 2026-12-06).
+            required = seq.num_tokens - seq.num_computed_tokens
+            return budget if 0 < required <= budget else 0
         return max(min(remaining, budget), 0)
 
     def _schedule_running(

@@ -437,3 +437,45 @@ def test_drafts_that_do_not_fit_the_pool_are_dropped_before_anything_is_preempte
     assert runs["spec"] == runs["plain"]
     assert runs["plain"][1] == "sequence does not fit in the KV cache"
     assert runs["spec_preemptions"] <= runs["plain_preemptions"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpeculativeConfig(method="ngram", num_speculative_tokens=5),
+        SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=5),
+    ],
+    ids=["ngram", "draft"],
+)
+def test_drafts_that_do_not_fit_the_token_budget_are_cut_without_chunked_prefill(tiny_llama_dir, spec):
+    """Without chunked prefill a prompt is all or nothing, but drafts are optional: three decodes
+    of 1 + 5 tokens against a 14-token budget all get tokens every step (the last with the drafts
+    that fit), as without speculation. (Before: the third was skipped whole, step after step,
+    while the other two's drafts took the budget, until one of them finished.)"""
+    ps = [[5 + i, 6, 7] * 2 for i in range(3)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = make_llm(tiny_llama_dir, spec, max_num_batched_tokens=14, enable_chunked_prefill=False)
+    core = llm.core
+    for i, p in enumerate(ps):
+        core.add_request(f"r{i}", p, params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    starved = steps_all_running = 0
+    history, done = [], set()
+    while core.has_unfinished():
+        got = dict.fromkeys(tokens, 0)
+        for out in core.step():
+            for d in out.deltas:
+                got[out.request_id] += len(d.token_ids)
+                tokens[out.request_id].extend(d.token_ids)
+            if out.finished:
+                done.add(out.request_id)
+        history.append("".join(map(str, got.values())))
+        if all(tokens.values()) and not done:  # all three decoding, none has ended
+            steps_all_running += 1
+            starved += sum(1 for n in got.values() if n == 0)
+    assert steps_all_running > 3 and starved == 0, (steps_all_running, starved, " ".join(history))
+    assert core.spec_decoder.stats.num_draft_tokens > 0
+    plain = make_llm(tiny_llama_dir, None, max_num_batched_tokens=14, enable_chunked_prefill=False)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert [tokens[f"r{i}"] for i in range(len(ps))] == expected
+    assert_no_leak(llm)
