@@ -174,19 +174,42 @@ class Scheduler:
         fast = self._schedule_running_batched(budget, scheduled, copies)
         if fast is not None:
             return fast
+        # The pool is short. Drafts are optional, so every running sequence's own tokens get KV
+        # slots first (preempting from the tail where they do not fit) and the drafts after, in
+        # what is left: one sequence's drafts never preempt another (they did: a review,
+        # 2026-12-06). The token budget is spent as on the batched path (drafts included), so
+        # with room for everything both paths schedule the same.
         i = 0
+        with_drafts: list[tuple[int, Request, int]] = []  # (index in scheduled, seq, tokens wanted)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0:
+            wanted = self._num_new_tokens(seq, budget)
+            if wanted == 0:
                 i += 1
                 continue
-            num_new = self._reserve_slots(seq, num_new, copies, preempted)
+            own = seq.num_tokens - seq.num_computed_tokens
+            num_new = self._reserve_slots(seq, own if 0 < own < wanted else wanted, copies, preempted)
             if not num_new:
                 continue  # `seq` itself left the running list
+            if num_new < wanted:
+                with_drafts.append((len(scheduled), seq, wanted))
             scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
+            budget -= wanted
             i += 1
+        for index, seq, wanted in with_drafts:
+            num_new = scheduled[index].num_new_tokens
+            extra = wanted - num_new
+            if seq.num_kv_tokens != seq.num_computed_tokens + num_new:
+                continue
+            result = self._append_drafts(seq, extra)
+            if result is None:  # no block for them all: those that fit its last block's free slots
+                extra = min(extra, -seq.num_kv_tokens % self.kv.block_size)
+                result = self._append_drafts(seq, extra) if extra else None
+                if result is None:
+                    continue  # this step verifies none of its drafts
+            copies.extend(result)
+            seq.num_kv_tokens += extra
+            scheduled[index] = self._scheduled(seq, num_new + extra)
         return budget
 
     def _schedule_running_batched(
@@ -255,6 +278,11 @@ class Scheduler:
             seq.num_kv_tokens += count
         scheduled.extend(planned)
         return budget
+
+    def _append_drafts(self, seq: Request, num: int):
+        """KV slots for the next `num` of `seq`'s drafts after its reserved tokens (copy-on-write
+        copies), or None when the pool cannot give them (nothing reserved then)."""
+        return self.kv.append(seq.seq_id, seq.token_ids_range(seq.num_kv_tokens, seq.num_kv_tokens + num))
 
     def _reserve_slots(
         self, seq: Request, num_new: int, copies: list[tuple[int, int]], preempted: list[int]
@@ -335,6 +363,10 @@ class Scheduler:
             seats = 1 + len(seq.pending_children)
             if self._num_seats_taken() + seats > self.config.max_num_seqs:
                 return
+            error = self._never_fits(seq)
+            if error is not None:  # (a preempted sequence may have outgrown the pool or the budget)
+                self._finished += self.finish_sequence(seq, FinishReason.ERROR, error=error)
+                continue
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 return
             num_cached = self.kv.allocate(seq.seq_id, seq.all_token_ids)
@@ -346,6 +378,19 @@ class Scheduler:
             num_new = self._num_new_tokens(seq, budget)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+
+    def _never_fits(self, seq: Request) -> str | None:
+        """Why a waiting sequence can never be admitted, or None. A request's prompt is checked at
+        arrival (request_checks), but a preempted sequence comes back with its outputs too, and
+        the queue is strict order: without this it waited forever and everything behind it too
+        (speculation made it reachable: a sequence sharing its prompt blocks grew past the pool;
+        found by a review, 2026-12-06)."""
+        kv = self.kv
+        if kv.blocks_for_tokens(seq.num_tokens) + kv.watermark_blocks > kv.num_blocks:
+            return "sequence does not fit in the KV cache"
+        if not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
+            return "sequence exceeds max_num_batched_tokens (chunked prefill is off)"
+        return None
 
     def admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         """Admit waiting requests into `scheduled` within `budget` tokens, as a step's admission

@@ -367,3 +367,28 @@ def test_higher_priority_arrival_preempts_lower_priority_running(backend):
     run_to_completion(s)
     assert low.num_output_tokens == 8 and low.finish_reason is FinishReason.LENGTH
     assert s.kv.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_preempted_sequence_that_outgrew_the_pool_or_budget_ends_with_an_error(backend, chunked):
+    """A preempted sequence comes back with its outputs: one that the whole pool (or, without
+    chunked prefill, the whole token budget) can no longer hold ends with an error instead of
+    waiting forever at the head of the strict-order queue with everything behind it. (Reachable
+    with speculation: a sequence sharing its prompt blocks with siblings ran K + 1 tokens a step
+    past what the pool holds alone; found by a review, 2026-12-06.)"""
+    s = make_scheduler(backend, num_blocks=8, block_size=4, max_num_seqs=4, enable_chunked_prefill=chunked,
+                       max_num_batched_tokens=64 if chunked else 24)  # fmt: skip
+    grown = make_request(1, 8, 40)
+    s.add_request(grown)
+    grown.output_token_ids.extend([5] * (33 if chunked else 20))  # 41 tokens > 32 slots; 28 > 24
+    grown.status = RequestStatus.PREEMPTED  # (as Scheduler._preempt leaves it: no KV, waiting)
+    behind = make_request(2, 6, 2)
+    s.add_request(behind)
+    out = step(s)
+    assert [x.seq_id for x in out.sequences] == [2]
+    finished = s.take_finished()
+    assert finished == [grown] and grown.finish_reason is FinishReason.ERROR, finished
+    assert "does not fit" in grown.error or "max_num_batched_tokens" in grown.error
+    while s.has_unfinished():
+        step(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks

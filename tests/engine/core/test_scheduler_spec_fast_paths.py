@@ -158,3 +158,48 @@ def test_fast_path_matches_the_general_path_at_the_context_limit_randomized():
             assert end <= max_model_len  # no KV past the context
             num_trimmed += end == max_model_len < seqs[x.seq_id].num_tokens_with_spec
     assert num_trimmed > 100  # the context limit, not only the budget, trims scheduled drafts
+
+
+def _at_a_block_boundary(num_blocks: int) -> tuple[Scheduler, KVCacheManager]:
+    """Three decodes whose next token opens a block (8 prompt tokens = 2 full blocks each, one
+    sampled), 4 drafts each, in a pool of `num_blocks` blocks of 4."""
+    kv = KVCacheManager(num_blocks, 4, backend_factory=lambda n, b, p: BlockManager(n, b, p))
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv, 64, clock=lambda: 0.0)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    for i in range(3):
+        s.add_request(Request(i, f"r{i}", 0, [5 + i] * 8, params, 0.0, eos_token_ids=(2,)))
+    out = s.schedule()
+    s.update(out, ModelRunnerOutput([SampledTokens(x.seq_id, [7]) for x in out.sequences]))
+    for seq in s.running:
+        seq.spec_token_ids = [20, 21, 22, 23]
+    return s, kv
+
+
+def test_one_sequences_drafts_never_preempt_another():
+    """A pool too short for every draft: each running sequence's own token is placed first and
+    drafts only in what is left, so no sequence is preempted for another's drafts (before: the
+    first sequences' drafts took the free blocks and the last one was preempted; a review,
+    2026-12-06). Own token + 4 drafts take 2 new blocks; the 3 free blocks give each its own
+    token's block, whose 3 free slots then take 3 drafts."""
+    s, kv = _at_a_block_boundary(9)
+    assert kv.num_free_blocks == 3
+    out = s.schedule()
+    assert out.preempted_seq_ids == []
+    assert [(x.seq_id, x.num_new_tokens, x.num_spec_tokens) for x in out.sequences] == [
+        (0, 4, 3),
+        (1, 4, 3),
+        (2, 4, 3),
+    ]
+    assert out.sequences[0].token_ids == [7, 20, 21, 22]
+    for seq in s.running:
+        assert kv.num_tokens(seq.seq_id) == seq.num_kv_tokens == 12
+    # One block more: the first sequence's drafts take it whole, the others fill their own block.
+    s, kv = _at_a_block_boundary(10)
+    out = s.schedule()
+    assert out.preempted_seq_ids == []
+    assert [(x.seq_id, x.num_new_tokens, x.num_spec_tokens) for x in out.sequences] == [
+        (0, 5, 4),
+        (1, 4, 3),
+        (2, 4, 3),
+    ]
+    assert kv.num_free_blocks == 0
