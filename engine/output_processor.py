@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedinfer.engine.core.scheduler import Scheduler
-from pagedinfer.engine.core.scheduler_output import SequenceUpdate, TokenLogprobs, within_end
+from pagedinfer.engine.core.scheduler_output import SequenceUpdate, TokenLogprobs, verifications_within
 from pagedinfer.engine.detokenizer import Decoder, IncrementalDetokenizer
 from pagedinfer.engine.outputs import (
     CompletionDelta,
@@ -151,14 +151,9 @@ def _count_drafts(seq: Request, verifications: list[tuple[int, int]], num_kept: 
     (a stop string can cut the step's last ones): each verification's tokens are its accepted
     drafts and one more; one cut inside its accepted drafts counts up to the cut (`within_end`),
     one cut whole not at all."""
-    left = num_kept
-    for drafts, accepted in verifications:
-        if left <= 0:
-            break
-        drafts, accepted = within_end(drafts, accepted, left)
+    for drafts, accepted, _ in verifications_within(((d, a + 1) for d, a in verifications), num_kept):
         seq.num_draft_tokens += drafts
         seq.num_accepted_tokens += accepted
-        left -= accepted + 1
 
 
 def _timing(sequences: list[Request]) -> RequestTiming:

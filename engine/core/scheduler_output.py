@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,22 +153,26 @@ class ModelRunnerOutput:
         out = []
         for b, st in enumerate(self.sampled):
             limit = len(st.token_ids) if applied is None else applied.get(st.seq_id, 0)
-            if self.device_steps is None:
-                if limit:
-                    out.append(
-                        (
-                            st.seq_id,
-                            *verification_within_end(self.verified_drafts[b], len(st.token_ids), limit),
-                        )
-                    )
-                continue
-            consumed = 0
-            for drafts, emitted in self.device_steps[b]:
-                if consumed >= limit:
-                    break
-                out.append((st.seq_id, *verification_within_end(drafts, emitted, limit - consumed)))
-                consumed += emitted
+            steps = (
+                self.device_steps[b]
+                if self.device_steps is not None
+                else [(self.verified_drafts[b], len(st.token_ids))]
+            )
+            out.extend((st.seq_id, *v) for v in verifications_within(steps, limit))
         return out
+
+
+def verifications_within(
+    verifications: Iterable[tuple[int, int]], kept: int
+) -> Iterator[tuple[int, int, int]]:
+    """(drafts, accepted, emitted) of a sequence's verifications, given as (drafts, tokens emitted)
+    in emission order, of which only the first `kept` tokens stand: each cut by
+    `verification_within_end`, and those past the kept tokens left out."""
+    for drafts, emitted in verifications:
+        if kept <= 0:
+            break
+        yield verification_within_end(drafts, emitted, kept)
+        kept -= emitted
 
 
 def verification_within_end(drafts: int, emitted: int, kept: int) -> tuple[int, int, int]:
