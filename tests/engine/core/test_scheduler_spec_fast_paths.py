@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from pagedinfer.engine.config import SchedulerConfig
 from pagedinfer.engine.core.block_pool_ref import BlockManager
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
@@ -175,31 +177,24 @@ def _at_a_block_boundary(num_blocks: int) -> tuple[Scheduler, KVCacheManager]:
     return s, kv
 
 
-def test_one_sequences_drafts_never_preempt_another():
+@pytest.mark.parametrize(
+    "num_blocks,expected",
+    [
+        (9, [(0, 4, 3), (1, 4, 3), (2, 4, 3)]),  # 3 free: each own token's block, its 3 free slots
+        (10, [(0, 5, 4), (1, 4, 3), (2, 4, 3)]),  # one more: the first one's drafts take it whole
+    ],
+)
+def test_one_sequences_drafts_never_preempt_another(num_blocks, expected):
     """A pool too short for every draft: each running sequence's own token is placed first and
     drafts only in what is left, so no sequence is preempted for another's drafts (before: the
     first sequences' drafts took the free blocks and the last one was preempted; a review,
-    2026-12-06). Own token + 4 drafts take 2 new blocks; the 3 free blocks give each its own
-    token's block, whose 3 free slots then take 3 drafts."""
-    s, kv = _at_a_block_boundary(9)
-    assert kv.num_free_blocks == 3
+    2026-12-06). Own token + 4 drafts take 2 new blocks each."""
+    s, kv = _at_a_block_boundary(num_blocks)
+    assert kv.num_free_blocks == num_blocks - 6
     out = s.schedule()
     assert out.preempted_seq_ids == []
-    assert [(x.seq_id, x.num_new_tokens, x.num_spec_tokens) for x in out.sequences] == [
-        (0, 4, 3),
-        (1, 4, 3),
-        (2, 4, 3),
-    ]
-    assert out.sequences[0].token_ids == [7, 20, 21, 22]
-    for seq in s.running:
-        assert kv.num_tokens(seq.seq_id) == seq.num_kv_tokens == 12
-    # One block more: the first sequence's drafts take it whole, the others fill their own block.
-    s, kv = _at_a_block_boundary(10)
-    out = s.schedule()
-    assert out.preempted_seq_ids == []
-    assert [(x.seq_id, x.num_new_tokens, x.num_spec_tokens) for x in out.sequences] == [
-        (0, 5, 4),
-        (1, 4, 3),
-        (2, 4, 3),
-    ]
+    assert [(x.seq_id, x.num_new_tokens, x.num_spec_tokens) for x in out.sequences] == expected
+    for x in out.sequences:
+        assert x.token_ids == [7, 20, 21, 22, 23][: x.num_new_tokens]
+        assert kv.num_tokens(x.seq_id) == s.get_sequence(x.seq_id).num_kv_tokens == 8 + x.num_new_tokens
     assert kv.num_free_blocks == 0

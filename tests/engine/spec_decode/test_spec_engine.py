@@ -81,6 +81,14 @@ def generate(llm, params=GREEDY, ps=None):
     return [o.token_ids for o in llm.generate(prompt_token_ids=ps or prompts(), sampling_params=params)]
 
 
+def both_methods(k: int) -> list[SpeculativeConfig]:
+    """The n-gram proposer and a draft model (the target's first layer), K drafts each."""
+    return [
+        SpeculativeConfig(method="ngram", num_speculative_tokens=k),
+        SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=k),
+    ]
+
+
 def attach_draft(llm: LLM, draft_model, k: int = 3, num_blocks: int = 128) -> SpeculativeDecoder:
     """Give an engine a draft-model decoder built by hand (any model, no tokenizer check)."""
     kv = KVCacheManager(num_blocks, 4)
@@ -366,11 +374,7 @@ def baseline_llm_outputs(folder, params):
 
 @pytest.mark.parametrize(
     "spec",
-    [
-        None,
-        SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-        SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=4),
-    ],
+    [None, *both_methods(4)],
     ids=["plain", "ngram", "draft"],
 )
 def test_an_aborted_request_streams_every_token_its_usage_counts(tiny_llama_dir, spec):
@@ -408,14 +412,7 @@ def test_an_aborted_request_streams_every_token_its_usage_counts(tiny_llama_dir,
         assert_no_leak(llm)
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-        SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=4),
-    ],
-    ids=["ngram", "draft"],
-)
+@pytest.mark.parametrize("spec", both_methods(4), ids=["ngram", "draft"])
 def test_drafts_that_do_not_fit_the_pool_are_dropped_before_anything_is_preempted(tiny_llama_dir, spec):
     """A pool too small for a sequence's drafts: the drafts go unverified, and the sequence runs
     on as plain decoding does. A lone sequence ends (out of KV) exactly where plain decoding's
@@ -439,14 +436,7 @@ def test_drafts_that_do_not_fit_the_pool_are_dropped_before_anything_is_preempte
     assert runs["spec_preemptions"] <= runs["plain_preemptions"]
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        SpeculativeConfig(method="ngram", num_speculative_tokens=5),
-        SpeculativeConfig(method="draft", draft_model="self:first=1", num_speculative_tokens=5),
-    ],
-    ids=["ngram", "draft"],
-)
+@pytest.mark.parametrize("spec", both_methods(5), ids=["ngram", "draft"])
 def test_drafts_that_do_not_fit_the_token_budget_are_cut_without_chunked_prefill(tiny_llama_dir, spec):
     """Without chunked prefill a prompt is all or nothing, but drafts are optional: three decodes
     of 1 + 5 tokens against a 14-token budget all get tokens every step (the last with the drafts
