@@ -18,6 +18,11 @@ theoretical speedup (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1)) and measured / t
 over the steps with the whole batch running (`full-B`, against the theory at that window's own
 alpha: acceptance varies over a response), that ratio splits into the tokens a forward pass
 gave over the formula's (`tok/f`) and a verifying forward pass's time over a plain one's (`vstep`).
+The formula assumes a draft every step; an n-gram proposer has none where the text holds no match.
+A second table gives the ratios against the theory at alpha over every sequence-step that asked
+for drafts, a step without a match counted as a draft rejected at its first token
+(speculative_report.alpha_all_steps): there tok/f is 1 by construction and the full-batch ratio
+is the verification's cost alone (1 / vstep at c = 0). Both alphas are in the JSON.
 
     python -P bench/speculative.py --device cuda --model /path/smollm2.gguf --out OUT   # GPU: (a) + (b)
     python -P bench/speculative.py --workloads pair --smoke --out /tmp/x                 # CPU smoke of (b)
@@ -42,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative_report import (  # noqa: E402  (bench/ is not a package)
     Timed,
+    all_steps_columns,
     decode_ms_per_token,
     draft_accounting,
     full_batch_columns,
@@ -175,7 +181,7 @@ def measure(
     base_req_ms, fast_req_ms = mean_request_ms_per_token(base), mean_request_ms_per_token(fast)
     measured = base_ms / fast_ms
     same = [prefix_fraction(a, b) for a, b in zip(base.token_ids, fast.token_ids, strict=True)]
-    return {
+    row = {
         "batch": len(prompts),
         "k": k,
         "identical_outputs": base.token_ids == fast.token_ids,
@@ -216,6 +222,7 @@ def measure(
         "accepted_tokens": accepted,
         "acceptance_ratio": round(accepted / drafted, 4) if drafted else 0.0,
         "mean_emitted_per_verify_step": round(mean_emitted, 3),
+        "verified_emitted_tokens": emitted,
         "alpha": round(alpha, 4),
         "c": round(c, 4),
         "theoretical_speedup": round(theory, 3),
@@ -236,6 +243,10 @@ def measure(
         **full_batch_columns(base, fast, len(prompts), k, c, theory),
         "step_trace": {"base": step_trace(base), "spec": step_trace(fast)},
     }
+    # the same ratios against the theory at alpha over every sequence-step that asked for drafts
+    # (`alpha_all_steps`: an n-gram step without a match counted as a draft rejected at once)
+    row.update(all_steps_columns(row))
+    return row
 
 
 def refilled(core, pool: list[list[int]], batch: int, request_params: SamplingParams, speculate: bool):
@@ -341,6 +352,9 @@ def median_round(trials: list[dict]) -> dict:
     row["baseline_host_bound"] = not device_bound(row)
     row["rounds_measured_over_theoretical"] = [t["measured_over_theoretical"] for t in trials]
     row["rounds_full_batch_over_theoretical"] = [t["full_batch_over_theoretical"] for t in trials]
+    row["rounds_full_batch_over_theoretical_all_steps"] = [
+        t.get("full_batch_over_theoretical_all_steps") for t in trials
+    ]
     row["rounds_base_gpu_idle_fraction"] = [t.get("base_gpu_idle_fraction") for t in trials]
     return row
 

@@ -24,6 +24,19 @@ def solve_alpha(mean_emitted: float, k: int) -> float:
     return (lo + hi) / 2
 
 
+def alpha_all_steps(verified: int, emitted: int, unmatched: int, k: int) -> float | None:
+    """alpha over every sequence-step that asked the proposer for drafts, a step it had none for
+    (no n-gram match) counted as a draft rejected at its first token: 1 token, what that step
+    gave. The formula assumes a draft every step; alpha over the verifications alone (the rows'
+    `alpha`) promises the unmatched steps tokens they had no draft to earn (tok/f < 1). This is
+    Leviathan et al.'s alpha, E[beta] over every step, of the same proposer made to draft
+    something where it has no match (a draft target decoding would reject, whose verification
+    rows skipping the step saves). None without such steps. A draft model is asked every step
+    (unmatched 0): both alphas are the same."""
+    steps = verified + unmatched
+    return solve_alpha((emitted + unmatched) / steps, k) if steps else None
+
+
 def theoretical_speedup(alpha: float, k: int, c: float) -> float:
     if alpha >= 1.0:
         return (k + 1) / (k * c + 1)
@@ -190,19 +203,59 @@ def step_cost_split(base, fast, batch: int, formula_tokens: float) -> dict:
     }
 
 
+def full_batch_alpha_all_steps(run, batch: int, k: int) -> float | None:
+    """`alpha_all_steps` over the full-batch window: solved from the tokens a sequence gained per
+    forward pass, every sequence-step of the window counted (one without a draft gave 1 token;
+    a paused one too: none of the rows here paused). None without per-step applied passes."""
+    window = _full_batch_passes(run, batch)
+    if window is None:
+        return None
+    gained, _, passes = window
+    return solve_alpha(gained / batch / passes, k)
+
+
 def full_batch_columns(base, fast, batch: int, k: int, c: float, run_theory: float) -> dict:
     """A row's full-batch columns: the window's speedup against the theory at the window's own
     alpha (`full_batch_alpha`; the whole run's theory `run_theory` where the steps carry no
-    verification counts), and its split into tok/f and vstep (`step_cost_split`)."""
+    verification counts), its split into tok/f and vstep (`step_cost_split`), and the same
+    speedup against the theory at the window's `alpha_all_steps`."""
     steady = full_batch_speedup(base, fast, batch)
     alpha = full_batch_alpha(fast, batch, k)
     theory = run_theory if alpha is None else theoretical_speedup(alpha, k, c)
+    alpha_all = full_batch_alpha_all_steps(fast, batch, k)
+    theory_all = None if alpha_all is None else theoretical_speedup(alpha_all, k, c)
     return {
         "measured_speedup_full_batch": steady,
         "full_batch_alpha": None if alpha is None else round(alpha, 4),
         "full_batch_theoretical_speedup": round(theory, 3),
         "full_batch_over_theoretical": round(steady / theory, 3) if steady else None,
         **step_cost_split(base, fast, batch, theory * (k * c + 1)),
+        "full_batch_alpha_all_steps": None if alpha_all is None else round(alpha_all, 4),
+        "full_batch_theoretical_speedup_all_steps": None if theory_all is None else round(theory_all, 3),
+        "full_batch_over_theoretical_all_steps": (
+            round(steady / theory_all, 3) if steady and theory_all else None
+        ),
+    }
+
+
+def all_steps_columns(row: dict) -> dict:
+    """A row's whole-run and per-request ratios against the theory at `alpha_all_steps`, from
+    the row's own counts (so older results recompute too; none before draft accounting)."""
+    if "no_draft_sequence_steps" not in row:
+        return {}
+    verified = row["verifying_sequence_steps"]
+    unmatched = row["no_draft_sequence_steps"]["unmatched"]
+    # the exact count where the row has it (rows before 2026-12-06 12:00 UTC: the rounded mean)
+    emitted = row.get("verified_emitted_tokens", row["mean_emitted_per_verify_step"] * verified)
+    alpha = alpha_all_steps(verified, emitted, unmatched, row["k"])
+    if alpha is None:
+        return {}
+    theory = theoretical_speedup(alpha, row["k"], row["c"])
+    return {
+        "alpha_all_steps": round(alpha, 4),
+        "theoretical_speedup_all_steps": round(theory, 3),
+        "measured_over_theoretical_all_steps": round(row["measured_speedup"] / theory, 3),
+        "request_over_theoretical_all_steps": round(row["request_speedup"] / theory, 3),
     }
 
 
@@ -290,6 +343,25 @@ def summary(results: dict) -> str:
             )
         if "construction" in workload:
             lines.append(f"  {name}: {workload['construction']}")
+    lines.append("")
+    lines.append(
+        "against the theory at alpha over every sequence-step asked for drafts (no match = rejected at once)"
+    )
+    lines.append(
+        f"{'workload':9} {'B':>2} {'K':>2} {'cover':>6} {'alpha':>6} {'theory':>6} {'ratio':>6} {'req.':>6} "
+        f"{'a(fB)':>6} {'theory':>6} {'full-B':>6}"
+    )
+    for name, workload in results["workloads"].items():
+        for r in workload["rows"]:
+            lines.append(
+                f"{name:9} {r['batch']:>2} {r['k']:>2} {r.get('draft_coverage', '-')!s:>6} "
+                f"{r.get('alpha_all_steps', '-')!s:>6} {r.get('theoretical_speedup_all_steps', '-')!s:>6} "
+                f"{r.get('measured_over_theoretical_all_steps', '-')!s:>6} "
+                f"{r.get('request_over_theoretical_all_steps', '-')!s:>6} "
+                f"{r.get('full_batch_alpha_all_steps', '-')!s:>6} "
+                f"{r.get('full_batch_theoretical_speedup_all_steps', '-')!s:>6} "
+                f"{r.get('full_batch_over_theoretical_all_steps', '-')!s:>6}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -68,6 +68,13 @@ def test_ngram_chained_rows_count_sequence_steps(tmp_path):
         seq_steps = r["verifying_sequence_steps"] + sum(r["no_draft_sequence_steps"].values())
         assert r["draft_coverage"] == round(r["verifying_sequence_steps"] / seq_steps, 3) <= 1, r
         assert 1 <= r["tokens_per_seq_step"] <= r["k"] + 1, r
+        # alpha over every asked sequence-step: the formula's tokens a step at it are the tokens
+        # those steps gave (a step without a match gave 1), and it is below the verifications'
+        asked = r["verifying_sequence_steps"] + r["no_draft_sequence_steps"]["unmatched"]
+        tokens = r["verified_emitted_tokens"] + r["no_draft_sequence_steps"]["unmatched"]
+        formula = sum(r["alpha_all_steps"] ** i for i in range(r["k"] + 1))
+        assert formula == pytest.approx(tokens / asked, abs=1e-3), r
+        assert r["alpha_all_steps"] <= r["alpha"] + 1e-4, r
 
 
 def test_request_ms_per_token_charges_each_request_its_own_steps():
@@ -147,7 +154,11 @@ def test_windows_recompute_a_row_from_its_step_traces():
     assert again["full_batch_theoretical_speedup"] == 2.5
     assert again["measured_speedup_full_batch"] == full_batch_speedup(base, fast, 2)
     window = ("full_batch_over_theoretical", "full_batch_alpha", "full_batch_theoretical_speedup")
-    split = {k: again[k] for k in again if k not in (*window, "measured_speedup_full_batch")}
+    split = {
+        k: again[k]
+        for k in again
+        if k not in (*window, "measured_speedup_full_batch") and not k.endswith("_all_steps")
+    }
     assert split == step_cost_split(base, fast, 2, formula_tokens=2.5)
     assert again["verify_step_cost"] == pytest.approx(1.5)
 
@@ -202,3 +213,34 @@ def test_median_round_skips_host_bound_baselines():
     assert row["measured_over_theoretical"] == 1.2 and row["baseline_host_bound"]
     row = median_round([trial(0.7, None), trial(0.9, None), trial(0.8, None)])
     assert row["measured_over_theoretical"] == 0.8 and row["rounds_device_bound"] == 3
+
+
+def test_alpha_all_steps_counts_a_step_without_a_draft_as_one_token():
+    """A sequence-step the proposer had no draft for gave 1 token: alpha over every asked step
+    is solved from (emitted + unmatched) / (verified + unmatched); without such steps it is the
+    verifications' alpha, and with none at all there is none."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculative_report import alpha_all_steps, solve_alpha
+
+    assert alpha_all_steps(10, 30, 0, 4) == pytest.approx(solve_alpha(3.0, 4))
+    assert alpha_all_steps(8, 30, 2, 4) == pytest.approx(solve_alpha(32 / 10, 4))
+    assert alpha_all_steps(8, 30, 2, 4) < alpha_all_steps(8, 30, 0, 4)
+    assert alpha_all_steps(0, 0, 5, 4) == pytest.approx(0.0, abs=1e-9)  # no draft ever: 1 token a step
+    assert alpha_all_steps(0, 0, 0, 4) is None
+
+
+def test_full_batch_all_steps_ratio_is_the_verification_cost_at_zero_c():
+    """At c = 0 the theory at the window's alpha over every sequence-step is the tokens a pass
+    gave, so the full-batch ratio against it is a plain pass's time over a verifying pass's
+    (1 / vstep), whatever share of the steps had a draft."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculative_report import full_batch_columns
+
+    base = _async_run(1.0, 1, [1] * 6)
+    fast = _async_run(1.5, 2, [4, 4, 1, 4, 2, 3], first_ms=2.0)
+    cols = full_batch_columns(base, fast, 2, 4, 0.0, run_theory=3.0)
+    assert cols["full_batch_theoretical_speedup_all_steps"] == pytest.approx(2.0, abs=2e-3)
+    assert cols["full_batch_over_theoretical_all_steps"] == pytest.approx(1 / 1.5, abs=3e-3)
+    assert cols["full_batch_over_theoretical_all_steps"] == pytest.approx(
+        1 / cols["verify_step_cost"], abs=3e-3
+    )
