@@ -137,7 +137,8 @@ class Scheduler:
         preempted: list[int] = []
         self._preempt_for_priority(preempted)
         num_priority_preemptions = len(preempted)
-        budget = self._schedule_running(budget, scheduled, copies, preempted)
+        held = self.held_for_admission(budget)
+        budget = self._schedule_running(budget, scheduled, copies, preempted, held)
         if len(preempted) == num_priority_preemptions:  # running ones fit: admit more
             self._schedule_waiting(budget, scheduled)
         layout = None
@@ -149,17 +150,37 @@ class Scheduler:
             )
         return SchedulerOutput(scheduled, layout, copies, preempted)
 
-    def _num_new_tokens(self, seq: Request, budget: int) -> int:
-        remaining = seq.num_tokens_with_spec - seq.num_computed_tokens
+    def _num_new_tokens(self, seq: Request, budget: int, reserved: int = 0) -> int:
+        """Tokens `seq` computes this step within `budget`: its own (a prompt chunk, a decode's
+        last token), then its drafts in what is left beyond `reserved`, the budget held for the
+        later running sequences' own tokens. Drafts are optional: one sequence's must not take
+        the next one's only token (with a budget below batch x (K + 1) they did, step after step:
+        a review, 2026-12-06)."""
         # Never compute past the context: drafts beyond max_model_len are dropped.
-        remaining = min(remaining, self.max_model_len - seq.num_computed_tokens)
-        if remaining > budget and not self.config.enable_chunked_prefill:
-            # Without chunking a prompt (or a decode's own token) is all or nothing, but drafts are
-            # optional: a decode keeps those that fit (skipping it whole starved it while the
-            # others' drafts took the budget, step after step; found by a review, 2026-12-06).
-            required = seq.num_tokens - seq.num_computed_tokens
-            return budget if 0 < required <= budget else 0
-        return max(min(remaining, budget), 0)
+        remaining = max(min(seq.num_tokens_with_spec, self.max_model_len) - seq.num_computed_tokens, 0)
+        own = min(seq.num_tokens - seq.num_computed_tokens, remaining)
+        if own > budget:
+            # Without chunking a prompt (or a decode's own token) is all or nothing.
+            return min(own, budget) if self.config.enable_chunked_prefill else 0
+        return own + max(min(remaining - own, budget - reserved - own), 0)
+
+    def held_for_admission(self, budget: int) -> int:
+        """Budget the running sequences' drafts leave to the waiting request admitted next, out
+        of what their own tokens leave of `budget`: its whole prompt without chunked prefill
+        (if it fits there at all), else up to half of it. Drafts only speed decoding up: with a
+        budget below batch x (K + 1) they took what admission needed, and a waiting request
+        waited until a running one ended (a review, 2026-12-06). At the default budget (2,048,
+        drafts at most 32 x 6) the half never binds. 0 with nobody to admit (no waiting request,
+        no seat for it); KV blocks are not looked at (the budget held is then drafts' loss)."""
+        if not self.waiting or self._num_seats_taken() >= self.config.max_num_seqs:
+            return 0
+        head = min(self.waiting, key=self._waiting_key(self.clock()))
+        if self._num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs:
+            return 0
+        left = budget - sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
+        if not self.config.enable_chunked_prefill:
+            return head.num_tokens if head.num_tokens <= left else 0
+        return max(min(head.num_tokens, left // 2), 0)
 
     def _schedule_running(
         self,
@@ -167,11 +188,14 @@ class Scheduler:
         scheduled: list[ScheduledSequence],
         copies: list[tuple[int, int]],
         preempted: list[int],
+        held: int = 0,
     ) -> int:
+        """Schedule the running sequences within `budget`, their drafts leaving `held` of it
+        (and a token for each later sequence). Returns the budget left."""
         if not self._running_sorted:  # only appends (admission, forks) can break the order
             self.running.sort(key=lambda r: (-r.priority, r.admit_order))
             self._running_sorted = True
-        fast = self._schedule_running_batched(budget, scheduled, copies)
+        fast = self._schedule_running_batched(budget, scheduled, copies, held)
         if fast is not None:
             return fast
         # The pool is short. Drafts are optional, so every running sequence's own tokens get KV
@@ -183,7 +207,7 @@ class Scheduler:
         with_drafts: list[tuple[int, Request, int]] = []  # (index in scheduled, seq, tokens wanted)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            wanted = self._num_new_tokens(seq, budget)
+            wanted = self._num_new_tokens(seq, budget, reserved=held + len(self.running) - i - 1)
             if wanted == 0:
                 i += 1
                 continue
@@ -213,7 +237,7 @@ class Scheduler:
         return budget
 
     def _schedule_running_batched(
-        self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]]
+        self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]], held: int = 0
     ) -> int | None:
         """The common case in one KV call: every planned sequence gets its slots, or None."""
         planned: list[ScheduledSequence] = []
@@ -222,9 +246,11 @@ class Scheduler:
         counts: list[int] = []
         new_ids: list[int] = []
         max_len = self.max_model_len
-        for seq in self.running:
+        num_running = len(self.running)
+        for index, seq in enumerate(self.running):
             if budget <= 0:
                 break
+            reserved = held + num_running - index - 1  # a token for each later sequence before drafts
             computed = seq.num_computed_tokens
             out = seq.output_token_ids
             num_prompt = len(seq.prompt_token_ids)
@@ -247,7 +273,7 @@ class Scheduler:
                 out
                 and seq.num_kv_tokens == computed
                 and computed + 1 == num_prompt + len(out)
-                and computed + 1 + len(seq.spec_token_ids) <= min(max_len, computed + budget)
+                and computed + 1 + len(seq.spec_token_ids) <= min(max_len, computed + budget - reserved)
                 and not seq.pending_children
             ):
                 # A decode with drafts that all fit: inputs are the last token + the drafts.
@@ -259,7 +285,7 @@ class Scheduler:
                 )
                 planned.append(ScheduledSequence(seq.seq_id, ids, computed, num_prompt, num_spec, row, ()))
             else:
-                num_new = self._num_new_tokens(seq, budget)
+                num_new = self._num_new_tokens(seq, budget, reserved)
                 if num_new == 0:
                     continue
                 ids = seq.token_ids_range(seq.num_kv_tokens, computed + num_new)

@@ -150,8 +150,11 @@ def plan_spec_lookahead(
     # At least one: expected to end within N, a sequence may still need a step (no host pass
     # in between: a chain of one step costs less than the wait for N's tokens).
     steps = min(steps, max(1, needed))
-    if len(seqs) * q > scheduler.config.max_num_batched_tokens:
+    budget = scheduler.config.max_num_batched_tokens
+    if len(seqs) * q > budget:
         return None  # over the step's token budget (the input buffers): the synchronous step splits
+    if admitting and budget - len(seqs) * q < scheduler.held_for_admission(budget):
+        return None  # drafts would take what the synchronous step leaves the admission
     if admitting:
         steps = 1  # (the admitted prompts' rows are in the first device step only)
     seq_ids = [seq.seq_id for seq in seqs]
@@ -168,7 +171,7 @@ def plan_spec_lookahead(
     admitted: list[ScheduledSequence] = []
     if admitting:  # first dibs on blocks, as in the synchronous step (whose drafts also take KV)
         try:
-            scheduler.admit_waiting(scheduler.config.max_num_batched_tokens - len(seqs) * q, admitted)
+            scheduler.admit_waiting(budget - len(seqs) * q, admitted)
         except BaseException:
             _unadmit(scheduler, admitted, undo_drafts)
             raise

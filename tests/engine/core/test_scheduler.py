@@ -392,3 +392,36 @@ def test_a_preempted_sequence_that_outgrew_the_pool_or_budget_ends_with_an_error
     while s.has_unfinished():
         step(s)
     assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_drafts_leave_the_next_admission_its_share_of_the_budget(backend, chunked):
+    """Two decodes with 5 drafts each and a 10-token prompt waiting, budget 16: the decodes' own
+    tokens leave 14; the prompt is held half of that with chunked prefill (7), all of it
+    without; the drafts get what is left, the first sequence's before the second's (and a token
+    held for the second's own). No seat for the waiting request: drafts take it all."""
+    s = make_scheduler(backend, max_num_batched_tokens=16, max_num_seqs=3, enable_chunked_prefill=chunked)
+    for i in range(2):
+        s.add_request(make_request(i, prompt_len=6, max_tokens=20))
+    step(s)  # both prompts (12 tokens)
+    for seq in s.running:
+        seq.spec_token_ids = [9] * 5
+    s.add_request(make_request(2, prompt_len=10, max_tokens=20))
+    assert s.held_for_admission(16) == (7 if chunked else 10)
+    out = s.schedule()
+    got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
+    if chunked:  # 1 + 5 (16 - 7 held - 1 for the second), 1 + 2 (10 - 7 held): the prompt 7
+        assert got == {0: (6, 5), 1: (3, 2), 2: (7, 0)}, got
+    else:  # 1 + 4 and 1 + 0 leave the whole prompt its 10
+        assert got == {0: (5, 4), 1: (1, 0), 2: (10, 0)}, got
+    # a full house: nobody to admit, the drafts take the budget in order
+    full = make_scheduler(backend, max_num_batched_tokens=8, max_num_seqs=2, enable_chunked_prefill=chunked)
+    for i in range(2):
+        full.add_request(make_request(i, prompt_len=4, max_tokens=20))
+    step(full)
+    for seq in full.running:
+        seq.spec_token_ids = [9] * 5
+    full.add_request(make_request(2, prompt_len=4, max_tokens=20))
+    assert full.held_for_admission(8) == 0
+    out = full.schedule()
+    assert [(x.num_new_tokens, x.num_spec_tokens) for x in out.sequences] == [(6, 5), (2, 1)]

@@ -95,13 +95,16 @@ def _pair(folder, chained: bool, draft_blocks: int = 128, k: int = K, min_accept
 
 
 def _generate(llm, ps, params):
-    """Outputs, and each request's verifications in order: (drafts, accepted)."""
+    """Outputs, and each request's verifications in order: (drafts, accepted), from its first
+    one on, steps without drafts after it included as (0, 0)."""
     spec = llm.core.spec_decoder
     checks: dict[int, list[tuple[int, int]]] = {}
     observe = spec.policy.observe
 
     def record(seq_id, k, accepted):
-        if k > 0:  # (steps without drafts are observed for their tokens only)
+        # (steps without drafts are observed for their tokens only; one after the first
+        # verification, where the token budget left a sequence none, ends `_same_drafts`)
+        if k > 0 or seq_id in checks:
             checks.setdefault(seq_id, []).append((k, accepted))
         observe(seq_id, k, accepted)
 
@@ -112,7 +115,8 @@ def _generate(llm, ps, params):
 
 def _same_drafts(sync: list[tuple[int, int]], chained: list[tuple[int, int]], k: int = K) -> int:
     """Verifications compared in order while the synchronous pair drafted all K (near max_tokens
-    it drafts fewer, a chained step always K): equal accepted counts. Returns how many compared."""
+    it drafts fewer, or none where the token budget leaves it only its own token; a chained step
+    always K): equal accepted counts. Returns how many compared."""
     n = 0
     for (k_sync, a_sync), (k_chained, a_chained) in zip(sync, chained, strict=False):
         if k_sync != k:

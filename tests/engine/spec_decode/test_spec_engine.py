@@ -436,15 +436,19 @@ def test_drafts_that_do_not_fit_the_pool_are_dropped_before_anything_is_preempte
     assert runs["spec_preemptions"] <= runs["plain_preemptions"]
 
 
+@pytest.mark.parametrize("chunked,budget", [(False, 14), (False, 12), (True, 12), (True, 8)])
 @pytest.mark.parametrize("spec", both_methods(5), ids=["ngram", "draft"])
-def test_drafts_that_do_not_fit_the_token_budget_are_cut_without_chunked_prefill(tiny_llama_dir, spec):
-    """Without chunked prefill a prompt is all or nothing, but drafts are optional: three decodes
-    of 1 + 5 tokens against a 14-token budget all get tokens every step (the last with the drafts
-    that fit), as without speculation. (Before: the third was skipped whole, step after step,
-    while the other two's drafts took the budget, until one of them finished.)"""
+def test_drafts_that_do_not_fit_the_token_budget_are_cut(tiny_llama_dir, spec, chunked, budget):
+    """Drafts are optional: three decodes of 1 + 5 tokens against a budget below 3 x 6 all get
+    tokens every step (the earlier ones' drafts leave a token for each later one), as without
+    speculation, and the third prompt is admitted while the first two decode. (Before: without
+    chunked prefill and a budget of 14 the third was skipped whole while the other two's drafts
+    took the budget, until one of them finished; at 12, and with chunked prefill at any budget
+    below 13, the first two's drafts left it 0 tokens; at 8 with chunked prefill the first two's
+    drafts took the budget its admission needed, and it waited until one of them ended.)"""
     ps = [[5 + i, 6, 7] * 2 for i in range(3)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    llm = make_llm(tiny_llama_dir, spec, max_num_batched_tokens=14, enable_chunked_prefill=False)
+    llm = make_llm(tiny_llama_dir, spec, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     core = llm.core
     for i, p in enumerate(ps):
         core.add_request(f"r{i}", p, params)
@@ -465,7 +469,7 @@ def test_drafts_that_do_not_fit_the_token_budget_are_cut_without_chunked_prefill
             starved += sum(1 for n in got.values() if n == 0)
     assert steps_all_running > 3 and starved == 0, (steps_all_running, starved, " ".join(history))
     assert core.spec_decoder.stats.num_draft_tokens > 0
-    plain = make_llm(tiny_llama_dir, None, max_num_batched_tokens=14, enable_chunked_prefill=False)
+    plain = make_llm(tiny_llama_dir, None, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     expected = [o.token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
     assert [tokens[f"r{i}"] for i in range(len(ps))] == expected
     assert_no_leak(llm)
