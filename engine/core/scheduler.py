@@ -137,7 +137,9 @@ class Scheduler:
         preempted: list[int] = []
         self._preempt_for_priority(preempted)
         num_priority_preemptions = len(preempted)
-        held = self.held_for_admission(budget)
+        # (only drafts read it: no ranking of the queue for steps without any)
+        drafting = self.waiting and any(r.spec_token_ids for r in self.running)
+        held = self.held_for_admission(budget) if drafting else 0
         budget = self._schedule_running(budget, scheduled, copies, preempted, held)
         if len(preempted) == num_priority_preemptions:  # running ones fit: admit more
             self._schedule_waiting(budget, scheduled)
