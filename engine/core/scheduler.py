@@ -137,10 +137,11 @@ class Scheduler:
         preempted: list[int] = []
         self._preempt_for_priority(preempted)
         num_priority_preemptions = len(preempted)
-        # (only drafts read it: no ranking of the queue for steps without any)
-        drafting = self.waiting and any(r.spec_token_ids for r in self.running)
-        held = self.held_for_admission(budget) if drafting else 0
-        budget = self._schedule_running(budget, scheduled, copies, preempted, held)
+        if not self._running_sorted:  # only appends (admission, forks) can break the order
+            self.running.sort(key=lambda r: (-r.priority, r.admit_order))
+            self._running_sorted = True
+        reserves = self._draft_reserves(budget)
+        budget = self._schedule_running(budget, scheduled, copies, preempted, reserves)
         if len(preempted) == num_priority_preemptions:  # running ones fit: admit more
             self._schedule_waiting(budget, scheduled)
         layout = None
@@ -152,28 +153,56 @@ class Scheduler:
             )
         return SchedulerOutput(scheduled, layout, copies, preempted)
 
-    def _num_new_tokens(self, seq: Request, budget: int, reserved: int = 0) -> int:
+    def _num_new_tokens(self, seq: Request, budget: int, later: int = 0, reserved: int = 0) -> int:
         """Tokens `seq` computes this step within `budget`: its own (a prompt chunk, a decode's
-        last token), then its drafts in what is left beyond `reserved`, the budget held for the
-        later running sequences' own tokens. Drafts are optional: one sequence's must not take
-        the next one's only token (with a budget below batch x (K + 1) they did, step after step:
-        a review, 2026-12-06)."""
-        # Never compute past the context: drafts beyond max_model_len are dropped.
-        remaining = max(min(seq.num_tokens_with_spec, self.max_model_len) - seq.num_computed_tokens, 0)
+        last token), then its drafts. `later`: the running sequences after it, a token each that
+        a prompt chunk leaves them (a decode behind a long prompt of higher priority got none
+        until the prompt was done); `reserved`: what its drafts leave (those tokens and the
+        prompt work after it, `_draft_reserves`). Drafts are optional: another sequence's tokens
+        come first (with a budget below batch x (K + 1) they did not: a review, 2026-12-06)."""
+        # Never compute past the context: drafts beyond max_model_len are dropped. A leader whose
+        # children fork at its next token verifies none (they would copy its accepted drafts as
+        # computed: as the batched path, which takes no drafts there either).
+        with_spec = seq.num_tokens if seq.pending_children else seq.num_tokens_with_spec
+        remaining = max(min(with_spec, self.max_model_len) - seq.num_computed_tokens, 0)
         own = min(seq.num_tokens - seq.num_computed_tokens, remaining)
-        if own > budget:
-            # Without chunking a prompt (or a decode's own token) is all or nothing.
-            return min(own, budget) if self.config.enable_chunked_prefill else 0
+        if self.config.enable_chunked_prefill:
+            if own > budget - later:
+                return min(own, max(budget - later, 1), budget)  # a chunk (its own token at least)
+        elif own > budget:
+            return 0  # without chunking a prompt (or a decode's own token) is all or nothing
         return own + max(min(remaining - own, budget - reserved - own), 0)
 
-    def held_for_admission(self, budget: int) -> int:
-        """Budget the running sequences' drafts leave to the waiting request admitted next, out
-        of what their own tokens leave of `budget`: its whole prompt without chunked prefill
-        (if it fits there at all), else up to half of it. Drafts only speed decoding up: with a
-        budget below batch x (K + 1) they took what admission needed, and a waiting request
-        waited until a running one ended (a review, 2026-12-06). At the default budget (2,048,
-        drafts at most 32 x 6) the half never binds. 0 with nobody to admit (no waiting request,
-        no seat for it); KV blocks are not looked at (the budget held is then drafts' loss)."""
+    def _draft_reserves(self, budget: int) -> dict[int, int] | None:
+        """Per running sequence (in order), the budget its drafts leave to the prompt work after
+        it, beyond the one token of each later sequence: the later prompts' chunks and the
+        admission of the next waiting request, as plain decoding would give them; with chunked
+        prefill at most `_prompt_share` of it, so that a long prompt does not switch speculation
+        off (drafts and the prompt then share what the decodes' own tokens leave). None when no
+        sequence has drafts this step (nothing to reserve; the queue is not ranked)."""
+        if not any(r.spec_token_ids for r in self.running):
+            return None
+        chunked = self.config.enable_chunked_prefill
+        share = self._prompt_share(budget)
+        work = self._admission_need(budget)
+        reserves: dict[int, int] = {}
+        for seq in reversed(self.running):
+            reserves[seq.seq_id] = min(work, share) if chunked else work
+            own = min(seq.num_tokens, self.max_model_len) - seq.num_computed_tokens
+            work += max(own - 1, 0)  # (its first token is reserved apart, as every sequence's)
+        return reserves
+
+    def _prompt_share(self, budget: int) -> int:
+        """With chunked prefill, the most of the budget drafts leave to prompt work: half of what
+        one token for each running sequence leaves (1 at least)."""
+        return max((budget - len(self.running)) // 2, 1)
+
+    def _admission_need(self, budget: int) -> int:
+        """The budget plain decoding would give the waiting request admitted next, after the
+        running sequences' own tokens: its whole prompt without chunked prefill (0 if it does
+        not fit), else as much of it as they leave (1 at least). 0 with nobody to admit (no
+        waiting request, no seat for it). KV blocks are not looked at: the budget held for a
+        request the pool cannot take yet is the drafts' loss."""
         if not self.waiting or self._num_seats_taken() >= self.config.max_num_seqs:
             return 0
         head = min(self.waiting, key=self._waiting_key(self.clock()))
@@ -182,7 +211,14 @@ class Scheduler:
         left = budget - sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
         if not self.config.enable_chunked_prefill:
             return head.num_tokens if head.num_tokens <= left else 0
-        return max(min(head.num_tokens, left // 2), 0)
+        return min(head.num_tokens, max(left, 1))
+
+    def admission_reserve(self, budget: int) -> int:
+        """What drafts of decodes leave to the next admission (`_draft_reserves` with no prompt
+        running): a chained speculative step (core/spec_lookahead.py) that would leave less
+        declines, and the synchronous step schedules as this scheduler does."""
+        need = self._admission_need(budget)
+        return min(need, self._prompt_share(budget)) if self.config.enable_chunked_prefill else need
 
     def _schedule_running(
         self,
@@ -190,14 +226,11 @@ class Scheduler:
         scheduled: list[ScheduledSequence],
         copies: list[tuple[int, int]],
         preempted: list[int],
-        held: int = 0,
+        reserves: dict[int, int] | None = None,
     ) -> int:
-        """Schedule the running sequences within `budget`, their drafts leaving `held` of it
-        (and a token for each later sequence). Returns the budget left."""
-        if not self._running_sorted:  # only appends (admission, forks) can break the order
-            self.running.sort(key=lambda r: (-r.priority, r.admit_order))
-            self._running_sorted = True
-        fast = self._schedule_running_batched(budget, scheduled, copies, held)
+        """Schedule the running sequences (sorted) within `budget`, their drafts leaving a token
+        for each later sequence and `reserves` (`_draft_reserves`). Returns the budget left."""
+        fast = self._schedule_running_batched(budget, scheduled, copies, reserves)
         if fast is not None:
             return fast
         # The pool is short. Drafts are optional, so every running sequence's own tokens get KV
@@ -209,7 +242,9 @@ class Scheduler:
         with_drafts: list[tuple[int, Request, int]] = []  # (index in scheduled, seq, tokens wanted)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            wanted = self._num_new_tokens(seq, budget, reserved=held + len(self.running) - i - 1)
+            later = len(self.running) - i - 1
+            reserved = later + (reserves.get(seq.seq_id, 0) if reserves else 0)
+            wanted = self._num_new_tokens(seq, budget, later, reserved)
             if wanted == 0:
                 i += 1
                 continue
@@ -239,7 +274,11 @@ class Scheduler:
         return budget
 
     def _schedule_running_batched(
-        self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]], held: int = 0
+        self,
+        budget: int,
+        scheduled: list[ScheduledSequence],
+        copies: list[tuple[int, int]],
+        reserves: dict[int, int] | None = None,
     ) -> int | None:
         """The common case in one KV call: every planned sequence gets its slots, or None."""
         planned: list[ScheduledSequence] = []
@@ -252,7 +291,8 @@ class Scheduler:
         for index, seq in enumerate(self.running):
             if budget <= 0:
                 break
-            reserved = held + num_running - index - 1  # a token for each later sequence before drafts
+            later = num_running - index - 1  # a token for each later sequence before drafts
+            reserved = later + (reserves[seq.seq_id] if reserves else 0)
             computed = seq.num_computed_tokens
             out = seq.output_token_ids
             num_prompt = len(seq.prompt_token_ids)
@@ -287,7 +327,7 @@ class Scheduler:
                 )
                 planned.append(ScheduledSequence(seq.seq_id, ids, computed, num_prompt, num_spec, row, ()))
             else:
-                num_new = self._num_new_tokens(seq, budget, reserved)
+                num_new = self._num_new_tokens(seq, budget, later, reserved)
                 if num_new == 0:
                     continue
                 ids = seq.token_ids_range(seq.num_kv_tokens, computed + num_new)

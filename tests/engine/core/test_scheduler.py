@@ -398,7 +398,7 @@ def test_a_preempted_sequence_that_outgrew_the_pool_or_budget_ends_with_an_error
 def test_drafts_leave_the_next_admission_its_share_of_the_budget(backend, chunked):
     """Two decodes with 5 drafts each and a 10-token prompt waiting, budget 16: the decodes' own
     tokens leave 14; the prompt is held half of that with chunked prefill (7), all of it
-    without; the drafts get what is left, the first sequence's before the second's (and a token
+    without (what plain decoding would give it); the drafts get what is left, the first sequence's before the second's (and a token
     held for the second's own). No seat for the waiting request: drafts take it all."""
     s = make_scheduler(backend, max_num_batched_tokens=16, max_num_seqs=3, enable_chunked_prefill=chunked)
     for i in range(2):
@@ -407,7 +407,7 @@ def test_drafts_leave_the_next_admission_its_share_of_the_budget(backend, chunke
     for seq in s.running:
         seq.spec_token_ids = [9] * 5
     s.add_request(make_request(2, prompt_len=10, max_tokens=20))
-    assert s.held_for_admission(16) == (7 if chunked else 10)
+    assert s.admission_reserve(16) == (7 if chunked else 10)
     out = s.schedule()
     got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
     if chunked:  # 1 + 5 (16 - 7 held - 1 for the second), 1 + 2 (10 - 7 held): the prompt 7
@@ -422,6 +422,53 @@ def test_drafts_leave_the_next_admission_its_share_of_the_budget(backend, chunke
     for seq in full.running:
         seq.spec_token_ids = [9] * 5
     full.add_request(make_request(2, prompt_len=4, max_tokens=20))
-    assert full.held_for_admission(8) == 0
+    assert full.admission_reserve(8) == 0
     out = full.schedule()
     assert [(x.num_new_tokens, x.num_spec_tokens) for x in out.sequences] == [(6, 5), (2, 1)]
+
+
+def _decoding(s, *requests):
+    for r in requests:
+        s.add_request(r)
+    step(s)
+
+
+def test_a_prompt_between_decodes_leaves_the_later_decode_its_token(backend):
+    """Running order A (decode, priority 1), P (a prompt being chunked, priority 1), B (decode,
+    priority 0), budget 8. Plain: P's chunk leaves B its token (6, not 7: B got none before,
+    until P's prompt was done). With 6 drafts for A: A's drafts leave B its token and P up to
+    half of what the three tokens leave (2), so A 1 + 3, P 3, B 1 (before: A 1 + 6, P 1, B 0)."""
+    for drafts, want in (
+        ([], {0: (1, 0), 2: (6, 0), 1: (1, 0)}),
+        ([9] * 6, {0: (4, 3), 2: (3, 0), 1: (1, 0)}),
+    ):
+        s = make_scheduler(backend, max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=True)
+        _decoding(
+            s,
+            make_request(0, prompt_len=4, max_tokens=30, priority=1),
+            make_request(1, prompt_len=4, max_tokens=30),
+        )
+        s.add_request(make_request(2, prompt_len=20, max_tokens=30, priority=1))
+        step(s)  # A and B decode, P's first chunk (6)
+        s.get_sequence(0).spec_token_ids = list(drafts)
+        out = s.schedule()
+        assert [x.seq_id for x in out.sequences] == [0, 2, 1]  # (priority, then admission order)
+        got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
+        assert got == want, (drafts, got)
+
+
+def test_drafts_leave_an_admission_the_last_token_of_the_budget(backend):
+    """Three decodes with 3 drafts each, budget 4, a prompt waiting, chunked prefill: the decodes'
+    own tokens leave 1, and plain decoding gives it to the prompt; so do the drafts now (before:
+    they took it, and the prompt waited until a decode ended)."""
+    s = make_scheduler(backend, max_num_batched_tokens=4, max_num_seqs=4, enable_chunked_prefill=True)
+    for i in range(3):
+        s.add_request(make_request(i, prompt_len=4, max_tokens=30))
+    while len(s.running) < 3 or any(r.num_computed_tokens < 4 for r in s.running):
+        step(s)
+    for seq in s.running:
+        seq.spec_token_ids = [9] * 3
+    s.add_request(make_request(3, prompt_len=6, max_tokens=30))
+    out = s.schedule()
+    got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
+    assert got == {0: (1, 0), 1: (1, 0), 2: (1, 0), 3: (1, 0)}, got

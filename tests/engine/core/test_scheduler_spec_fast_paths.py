@@ -100,7 +100,7 @@ def _schedule_with_drafts(
     if config is not None:
         s.config = config
     if general:
-        s._schedule_running_batched = lambda budget, scheduled, copies, held=0: None
+        s._schedule_running_batched = lambda budget, scheduled, copies, reserves=None: None
     for seq, k in zip(seqs, num_drafts, strict=True):
         seq.spec_token_ids = [20 + j for j in range(k)]
     return s, seqs, s.schedule()
