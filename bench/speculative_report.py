@@ -245,7 +245,7 @@ def all_steps_columns(row: dict) -> dict:
         return {}
     verified = row["verifying_sequence_steps"]
     unmatched = row["no_draft_sequence_steps"]["unmatched"]
-    # the exact count where the row has it (rows before 2026-12-06 12:00 UTC: the rounded mean)
+    # the exact count where the row has it (rows from before session 29: the rounded mean)
     emitted = row.get("verified_emitted_tokens", row["mean_emitted_per_verify_step"] * verified)
     alpha = alpha_all_steps(verified, emitted, unmatched, row["k"])
     if alpha is None:
