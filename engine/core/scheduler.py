@@ -402,23 +402,28 @@ class Scheduler:
         # queue, this check saves ranking it every step.
         if max(r.priority for r in self.waiting) <= min(r.priority for r in self.running):
             return
-        head = min(self.waiting, key=self._waiting_key(self.clock()))
+        key = self._waiting_key(self.clock())
+        head = min(self.waiting, key=key)
         needed = self.kv.blocks_for_tokens(head.num_tokens) + self.kv.watermark_blocks
         while self.running and (
             needed > self.kv.num_free_blocks
             or self._num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs
         ):
             victim = min(self.running, key=lambda r: (r.priority, -r.admit_order))
-            if victim.priority >= head.priority:
+            if victim.priority >= head.priority or key(victim, preempted=True) <= key(head):
+                # (the second: aged, the victim would be admitted again before the head, and be
+                # preempted for it every step, never finishing; a fuzz found that livelock)
                 return
             self._preempt(victim, preempted)
 
-    def _waiting_key(self, now: float) -> Callable[[Request], tuple]:
+    def _waiting_key(self, now: float) -> Callable[..., tuple]:
         aging = self.config.aging_seconds
 
-        def key(r: Request) -> tuple:
+        def key(r: Request, preempted: bool = False) -> tuple:
+            """`preempted`: as `r` would rank once preempted."""
             bonus = int((now - r.arrival_time) / aging) if aging > 0 else 0
-            return (-(r.priority + bonus), r.status is not RequestStatus.PREEMPTED, r.arrival_time, r.seq_id)
+            preempted = preempted or r.status is RequestStatus.PREEMPTED
+            return (-(r.priority + bonus), not preempted, r.arrival_time, r.seq_id)
 
         return key
 

@@ -472,3 +472,28 @@ def test_drafts_leave_an_admission_the_last_token_of_the_budget(backend):
     out = s.schedule()
     got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
     assert got == {0: (1, 0), 1: (1, 0), 2: (1, 0), 3: (1, 0)}, got
+
+
+def test_priority_preemption_never_preempts_what_aging_readmits_first(backend):
+    """A low-priority request aged above a high-priority arrival: preempting it for the arrival
+    (a strictly higher base priority) put it back at the head of the queue, aged first, so it
+    was admitted again ahead of the arrival and recomputed its prompt, and preempted again: 4
+    times here; in a scheduler fuzz case (a 61-token recompute over a 55-token budget) every
+    step, forever. Now the preemption does not happen: the old request runs on, then the
+    arrival."""
+    clock = FakeClock()
+    s = make_scheduler(
+        backend,
+        clock=clock,
+        num_blocks=12,
+        block_size=4,
+        max_num_seqs=2,
+        aging_seconds=3.0,
+        max_num_batched_tokens=16,  # its prompt takes two steps: it never got past the first
+    )
+    old = make_request(1, prompt_len=30, max_tokens=4, priority=0, arrival=clock.now - 10.0)  # aged 0 + 3
+    s.add_request(old)
+    step(s)  # the first 16 of its 30 prompt tokens: 4 of the 12 blocks
+    s.add_request(make_request(2, prompt_len=20, max_tokens=4, priority=1, arrival=clock.now))  # 5 blocks
+    run_to_completion(s, max_steps=50)  # (asserts progress)
+    assert s.num_preemptions_total == 0
