@@ -182,9 +182,12 @@ class Scheduler:
         sequence has drafts this step (nothing to reserve; the queue is not ranked)."""
         if not any(r.spec_token_ids for r in self.running):
             return None
+        head = self._admission_head()
+        if head is not None and self._drafts_block(head):
+            return dict.fromkeys((r.seq_id for r in self.running), budget)  # none this step
         chunked = self.config.enable_chunked_prefill
         share = self._prompt_share(budget)
-        work = self._admission_need(budget)
+        work = self._admission_need(budget, head)
         reserves: dict[int, int] = {}
         for seq in reversed(self.running):
             reserves[seq.seq_id] = min(work, share) if chunked else work
@@ -197,16 +200,39 @@ class Scheduler:
         one token for each running sequence leaves (1 at least)."""
         return max((budget - len(self.running)) // 2, 1)
 
-    def _admission_need(self, budget: int) -> int:
-        """The budget plain decoding would give the waiting request admitted next, after the
-        running sequences' own tokens: its whole prompt without chunked prefill (0 if it does
-        not fit), else as much of it as they leave (1 at least). 0 with nobody to admit (no
-        waiting request, no seat for it). KV blocks are not looked at: the budget held for a
-        request the pool cannot take yet is the drafts' loss."""
+    def _admission_head(self) -> Request | None:
+        """The waiting request admitted next, if it has a seat (None: no waiting request, or
+        none for it)."""
         if not self.waiting or self._num_seats_taken() >= self.config.max_num_seqs:
-            return 0
+            return None
         head = min(self.waiting, key=self._waiting_key(self.clock()))
         if self._num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs:
+            return None
+        return head
+
+    def _drafts_block(self, head: Request) -> bool:
+        """Whether the KV blocks of this step's drafts would keep `head` out that the running
+        sequences' own tokens leave room for (as `KVCacheManager.allocate` counts: the whole
+        prompt, plus the watermark). Drafts are reserved before admission; with a short pool
+        they kept a request that plain decoding admits waiting until a drafting sequence ended
+        (a review, 2026-12-06). Copy-on-write copies are not counted."""
+        kv = self.kv
+        blocks = kv.blocks_for_tokens
+        own = drafts = 0
+        for r in self.running:
+            reserved = blocks(r.num_kv_tokens)
+            with_own = max(blocks(r.num_tokens), reserved)
+            own += with_own - reserved
+            drafts += max(blocks(min(r.num_tokens_with_spec, self.max_model_len)) - with_own, 0)
+        room = kv.num_free_blocks - own - kv.watermark_blocks
+        return room - drafts < blocks(head.num_tokens) <= room
+
+    def _admission_need(self, budget: int, head: Request | None) -> int:
+        """The budget plain decoding would give `head`, the waiting request admitted next,
+        after the running sequences' own tokens: its whole prompt without chunked prefill (0 if
+        it does not fit), else as much of it as they leave (1 at least). 0 without one. The
+        budget held for a request the pool cannot take yet is the drafts' loss."""
+        if head is None:
             return 0
         left = budget - sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
         if not self.config.enable_chunked_prefill:
@@ -217,7 +243,7 @@ class Scheduler:
         """What drafts of decodes leave to the next admission (`_draft_reserves` with no prompt
         running): a chained speculative step (core/spec_lookahead.py) that would leave less
         declines, and the synchronous step schedules as this scheduler does."""
-        need = self._admission_need(budget)
+        need = self._admission_need(budget, self._admission_head())
         return min(need, self._prompt_share(budget)) if self.config.enable_chunked_prefill else need
 
     def _schedule_running(

@@ -497,3 +497,20 @@ def test_priority_preemption_never_preempts_what_aging_readmits_first(backend):
     s.add_request(make_request(2, prompt_len=20, max_tokens=4, priority=1, arrival=clock.now))  # 5 blocks
     run_to_completion(s, max_steps=50)  # (asserts progress)
     assert s.num_preemptions_total == 0
+
+
+def test_drafts_give_way_to_an_admission_their_kv_blocks_would_keep_out(backend):
+    """A pool of 12 blocks of 4: A decodes at 4 tokens (1 block), W waits with a 42-token prompt
+    (11 blocks). Plain decoding admits W at once; A's 3 drafts would take a second block, so
+    this step A verifies none and W is admitted (before: W waited until A ended). With room for
+    both, A keeps its drafts."""
+    for num_blocks, want in ((12, {0: (1, 0), 1: (31, 0)}), (13, {0: (4, 3), 1: (28, 0)})):
+        s = make_scheduler(
+            backend, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=4
+        )
+        _decoding(s, make_request(0, prompt_len=3, max_tokens=30))
+        s.get_sequence(0).spec_token_ids = [9, 9, 9]
+        s.add_request(make_request(1, prompt_len=42, max_tokens=30))
+        out = s.schedule()
+        got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
+        assert got == want, (num_blocks, got)
