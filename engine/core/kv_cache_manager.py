@@ -72,6 +72,11 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_to_admit(self, num_tokens: int) -> int:
+        """Free blocks a sequence of `num_tokens` needs to be admitted (`allocate`'s test): its
+        blocks, prefix-cache hits not subtracted, plus the watermark."""
+        return self.blocks_for_tokens(num_tokens) + self.watermark_blocks
+
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / max(self.num_blocks, 1)
@@ -84,7 +89,7 @@ class KVCacheManager:
         to compute so the step produces logits.
         """
         # Conservative: prefix-cache hits are not subtracted, so admission never overcommits.
-        if self.blocks_for_tokens(len(token_ids)) + self.watermark_blocks > self.num_free_blocks:
+        if self.blocks_to_admit(len(token_ids)) > self.num_free_blocks:
             return None
         try:
             num_cached = int(self._blocks.add_sequence(seq_id, list(token_ids)))

@@ -224,8 +224,8 @@ class Scheduler:
             with_own = max(blocks(r.num_tokens), reserved)
             own += with_own - reserved
             drafts += max(blocks(min(r.num_tokens_with_spec, self.max_model_len)) - with_own, 0)
-        room = kv.num_free_blocks - own - kv.watermark_blocks
-        return room - drafts < blocks(head.num_tokens) <= room
+        room = kv.num_free_blocks - own
+        return room - drafts < kv.blocks_to_admit(head.num_tokens) <= room
 
     def _admission_need(self, budget: int, head: Request | None) -> int:
         """The budget plain decoding would give `head`, the waiting request admitted next,
@@ -430,7 +430,7 @@ class Scheduler:
             return
         key = self._waiting_key(self.clock())
         head = min(self.waiting, key=key)
-        needed = self.kv.blocks_for_tokens(head.num_tokens) + self.kv.watermark_blocks
+        needed = self.kv.blocks_to_admit(head.num_tokens)
         while self.running and (
             needed > self.kv.num_free_blocks
             or self._num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs
@@ -485,7 +485,7 @@ class Scheduler:
         (speculation made it reachable: a sequence sharing its prompt blocks grew past the pool;
         found by a review, 2026-12-06)."""
         kv = self.kv
-        if kv.blocks_for_tokens(seq.num_tokens) + kv.watermark_blocks > kv.num_blocks:
+        if kv.blocks_to_admit(seq.num_tokens) > kv.num_blocks:
             return "sequence does not fit in the KV cache"
         if not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
             return "sequence exceeds max_num_batched_tokens (chunked prefill is off)"

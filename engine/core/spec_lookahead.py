@@ -321,5 +321,5 @@ def _may_admit(scheduler: Scheduler, k: int) -> bool:
         max(blocks(seq.num_kv_tokens) - blocks(seq.num_computed_tokens + 1 + k), 0)
         for seq in scheduler.running
     )
-    free = kv.num_free_blocks + reserved - kv.watermark_blocks
-    return any(blocks(r.num_tokens) <= free for r in scheduler.waiting)
+    free = kv.num_free_blocks + reserved
+    return any(kv.blocks_to_admit(r.num_tokens) <= free for r in scheduler.waiting)
