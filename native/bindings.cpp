@@ -184,6 +184,15 @@ class PyBlockManager {
     for (const auto& copy : copies) out.append(py::make_tuple(copy.src, copy.dst));
     return out;
   }
+  int64_t blocks_needed_to_append_batch(py::handle seq_ids, py::handle num_tokens) {
+    IntArray<int64_t> ids(seq_ids, "seq_ids");
+    IntArray<int32_t> counts(num_tokens, "num_tokens");
+    if (ids.size() != counts.size())
+      throw py::value_error("seq_ids and num_tokens differ in length");
+    return locked(ids.size() >= kBulkSequences, [&](pi::BlockManager& c) {
+      return c.blocks_needed_to_append_batch(ids.data(), counts.data(), ids.size());
+    });
+  }
   void set_last_tokens(py::handle seq_ids, py::handle token_ids) {
     IntArray<int64_t> ids(seq_ids, "seq_ids");
     IntArray<int32_t> tokens(token_ids, "token_ids");
@@ -300,6 +309,9 @@ PYBIND11_MODULE(_native, m) {
             return self.core_.blocks_needed_to_append(id, n);
           },
           py::arg("seq_id"), py::arg("num_tokens"))
+      .def("blocks_needed_to_append_batch", &M::blocks_needed_to_append_batch, py::arg("seq_ids"),
+           py::arg("num_tokens"),
+           "Exact blocks append_tokens_batch would take for these counts (ids distinct).")
       .def(
           "fork",
           [](M& self, int64_t parent, int64_t child) {

@@ -227,6 +227,31 @@ class BlockManager:
             raise ValueError("num_tokens must be >= 0")
         return self._append_need(self._get(seq_id), num_tokens)
 
+    def _batch_append_need(self, seqs: list[_Sequence], counts: list[int]) -> int:
+        # Of k writers into a shared last block with refcount r, the first min(k, r - 1) copy.
+        writers: dict[int, int] = {}
+        needed = 0
+        for seq, n in zip(seqs, counts, strict=True):
+            length = len(seq.tokens)
+            needed += self._blocks_for(length + n) - self._blocks_for(length)
+            if n > 0 and length % self.block_size != 0 and self._refcount[seq.blocks[-1]] > 1:
+                writers[seq.blocks[-1]] = writers.get(seq.blocks[-1], 0) + 1
+        return needed + sum(min(k, self._refcount[b] - 1) for b, k in writers.items())
+
+    def blocks_needed_to_append_batch(
+        self, seq_ids: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray
+    ) -> int:
+        """Exact blocks `append_tokens_batch` would take for these counts (ids distinct)."""
+        ids = _int_list(seq_ids, "seq_ids")
+        counts = _int_list(num_tokens, "num_tokens")
+        if len(ids) != len(counts):
+            raise ValueError("seq_ids and num_tokens differ in length")
+        if len(set(ids)) != len(ids):
+            raise ValueError("a sequence id appears twice in one batch")
+        if any(n < 0 for n in counts):
+            raise ValueError("num_tokens must be >= 0")
+        return self._batch_append_need([self._get(i) for i in ids], counts)
+
     def append_tokens(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
         seq = self._get(seq_id)
         tokens = _int_list(token_ids, "token_ids")
@@ -271,15 +296,7 @@ class BlockManager:
             raise ValueError("num_tokens must be >= 0")
         if sum(counts) != len(tokens):
             raise ValueError("token_ids length differs from the sum of num_tokens")
-        # Of k writers into a shared last block with refcount r, the first min(k, r - 1) copy.
-        writers: dict[int, int] = {}
-        needed = 0
-        for seq, n in zip(seqs, counts, strict=True):
-            length = len(seq.tokens)
-            needed += self._blocks_for(length + n) - self._blocks_for(length)
-            if n > 0 and length % self.block_size != 0 and self._refcount[seq.blocks[-1]] > 1:
-                writers[seq.blocks[-1]] = writers.get(seq.blocks[-1], 0) + 1
-        needed += sum(min(k, self._refcount[b] - 1) for b, k in writers.items())
+        needed = self._batch_append_need(seqs, counts)
         self._require(needed, "append_tokens_batch")
         copies: list[tuple[int, int]] = []
         start = 0

@@ -140,6 +140,15 @@ class KVCacheManager:
     def blocks_needed_to_append(self, seq_id: int, num_tokens: int) -> int:
         return int(self._blocks.blocks_needed_to_append(seq_id, num_tokens))
 
+    def blocks_needed_to_append_batch(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> int:
+        """Exact blocks `append_batch` would take: new blocks and copy-on-write copies (of k
+        appending holders of one shared last block, fewer than k may copy it)."""
+        return int(
+            self._blocks.blocks_needed_to_append_batch(
+                np.asarray(seq_ids, dtype=np.int64), np.asarray(num_tokens, dtype=np.int32)
+            )
+        )
+
     def num_tokens(self, seq_id: int) -> int:
         return int(self._blocks.num_tokens(seq_id))
 

@@ -215,16 +215,20 @@ class Scheduler:
         sequences' own tokens leave room for (as `KVCacheManager.allocate` counts: the whole
         prompt, plus the watermark). Drafts are reserved before admission; with a short pool
         they kept a request that plain decoding admits waiting until a drafting sequence ended
-        (a review, 2026-12-06). Copy-on-write copies are not counted."""
+        (a review, 2026-12-06). Blocks as the step's append takes them: copy-on-write copies
+        of shared last blocks included (a fork's first tokens, drafts after reserved slots)."""
         kv = self.kv
-        blocks = kv.blocks_for_tokens
-        own = drafts = 0
+        ids: list[int] = []
+        own: list[int] = []
+        with_drafts: list[int] = []
         for r in self.running:
-            reserved = blocks(r.num_kv_tokens)
-            with_own = max(blocks(r.num_tokens), reserved)
-            own += with_own - reserved
-            drafts += max(blocks(min(r.num_tokens_with_spec, self.max_model_len)) - with_own, 0)
-        room = kv.num_free_blocks - own
+            with_spec = r.num_tokens if r.pending_children else r.num_tokens_with_spec
+            ids.append(r.seq_id)
+            own.append(max(r.num_tokens - r.num_kv_tokens, 0))
+            with_drafts.append(max(min(with_spec, self.max_model_len) - r.num_kv_tokens, own[-1]))
+        own_blocks = kv.blocks_needed_to_append_batch(ids, own)
+        drafts = kv.blocks_needed_to_append_batch(ids, with_drafts) - own_blocks
+        room = kv.num_free_blocks - own_blocks
         return room - drafts < kv.blocks_to_admit(head.num_tokens) <= room
 
     def _admission_need(self, budget: int, head: Request | None) -> int:

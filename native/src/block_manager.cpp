@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstring>
 #include <string>
+#include <unordered_set>
 
 namespace pagedinfer {
 namespace {
@@ -147,20 +148,15 @@ std::optional<BlockCopy> BlockManager::append_tokens(int64_t seq_id, const int32
   return append_unchecked(&seq, tokens, num_tokens);
 }
 
-std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
-                                                         const int32_t* num_tokens, int64_t batch,
-                                                         const int32_t* token_ids,
-                                                         int64_t num_token_ids) {
-  std::vector<Sequence*> seqs = distinct_sequences(seq_ids, batch);
-  // Exact need: new blocks per sequence, plus copies of shared partly filled last blocks. Of
-  // k writers into a block with refcount r, the first min(k, r - 1) copy; the last may write
-  // in place once every other holder has moved away.
+int64_t BlockManager::batch_append_need(const Sequence* const* seqs, const int32_t* num_tokens,
+                                        int64_t batch) const {
+  // New blocks per sequence, plus copies of shared partly filled last blocks: of k writers into
+  // a block with refcount r, the first min(k, r - 1) copy; the last may write in place once
+  // every other holder has moved away.
   int64_t needed = 0;
-  int64_t total = 0;
   std::unordered_map<int32_t, int32_t> writers;  // shared last block -> appending holders
   for (int64_t i = 0; i < batch; ++i) {
     if (num_tokens[i] < 0) throw std::invalid_argument("num_tokens must be >= 0");
-    total += num_tokens[i];
     int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());
     needed += blocks_for(len + num_tokens[i]) - blocks_for(len);
     if (num_tokens[i] > 0 && offset_in_block(len) != 0 &&
@@ -168,16 +164,40 @@ std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
       ++writers[seqs[i]->blocks.back()];
     }
   }
+  for (const auto& [block, count] : writers) needed += std::min(count, pool_.refcount(block) - 1);
+  return needed;
+}
+
+int64_t BlockManager::blocks_needed_to_append_batch(const int64_t* seq_ids,
+                                                    const int32_t* num_tokens,
+                                                    int64_t batch) const {
+  std::vector<const Sequence*> seqs;
+  seqs.reserve(batch);
+  std::unordered_set<int64_t> seen;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (!seen.insert(seq_ids[i]).second) {
+      throw std::invalid_argument("sequence " + std::to_string(seq_ids[i]) +
+                                  " appears twice in one batch");
+    }
+    seqs.push_back(&sequence(seq_ids[i]));
+  }
+  return batch_append_need(seqs.data(), num_tokens, batch);
+}
+
+std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
+                                                         const int32_t* num_tokens, int64_t batch,
+                                                         const int32_t* token_ids,
+                                                         int64_t num_token_ids) {
+  std::vector<Sequence*> seqs = distinct_sequences(seq_ids, batch);
+  int64_t total = 0;
+  for (int64_t i = 0; i < batch; ++i) total += num_tokens[i];
+  int64_t needed = batch_append_need(seqs.data(), num_tokens, batch);  // (checks the counts)
   if (total != num_token_ids) {
     throw std::invalid_argument("token_ids holds " + std::to_string(num_token_ids) +
                                 " tokens but num_tokens sums to " + std::to_string(total));
   }
-  int64_t num_copies = 0;
-  for (const auto& [block, count] : writers)
-    num_copies += std::min(count, pool_.refcount(block) - 1);
-  require_blocks(needed + num_copies, "append_tokens_batch");
+  require_blocks(needed, "append_tokens_batch");
   std::vector<BlockCopy> copies;
-  copies.reserve(num_copies);
   for (int64_t i = 0; i < batch; ++i) reserve_append(seqs[i], num_tokens[i]);
   // Nothing below throws.
   for (int64_t i = 0; i < batch; ++i) {

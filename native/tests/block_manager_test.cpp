@@ -71,6 +71,9 @@ TEST(BlockManager, AppendBatchIsExactAndAtomic) {
   std::vector<int64_t> ids = {1, 2, 3};
   std::vector<int32_t> counts = {1, 1, 1}, tokens = {7, 8, 9};
   // Three writers into a block held three times: two copies, the last writes in place.
+  EXPECT_EQ(bm.blocks_needed_to_append_batch(ids.data(), counts.data(), 3), 2);
+  // Two of the three write: both copy (the third still holds the block).
+  EXPECT_EQ(bm.blocks_needed_to_append_batch(ids.data(), counts.data(), 2), 2);
   auto copies = bm.append_tokens_batch(ids.data(), counts.data(), 3, tokens.data(), 3);
   EXPECT_EQ(copies, (std::vector<BlockCopy>{{1, 2}, {1, 3}}));
   EXPECT_EQ(bm.sequence(3).blocks, (std::vector<int32_t>{0, 1}));

@@ -64,6 +64,26 @@ def test_fork_then_append_copies_partial_last_block(impl) -> None:
     bm.check_invariants()
 
 
+def test_batch_need_counts_one_copy_fewer_than_the_holders_that_write(impl) -> None:
+    bm = impl.BlockManager(8, 4)
+    bm.add_sequence(1, [1, 2, 3, 4, 5, 6])  # blocks 0, 1 (half full)
+    bm.fork(1, 2)
+    bm.fork(1, 3)
+    # Each alone would copy block 1; of three writers two copy and the last writes in place.
+    assert [bm.blocks_needed_to_append(i, 1) for i in (1, 2, 3)] == [1, 1, 1]
+    assert bm.blocks_needed_to_append_batch([1, 2, 3], [1, 1, 1]) == 2
+    assert bm.blocks_needed_to_append_batch([2, 3], [1, 3]) == 3  # two copies, one new block
+    assert bm.blocks_needed_to_append_batch([2, 3], [0, 0]) == 0
+    free = bm.num_free_blocks
+    bm.append_tokens_batch([1, 2, 3], [7, 8, 9], [1, 1, 1])
+    assert free - bm.num_free_blocks == 2
+    with pytest.raises(ValueError):
+        bm.blocks_needed_to_append_batch([1, 1], [1, 1])
+    with pytest.raises(ValueError):
+        bm.blocks_needed_to_append_batch([1], [-1])
+    bm.check_invariants()
+
+
 def test_fork_of_full_last_block_needs_no_copy(impl) -> None:
     bm = impl.BlockManager(8, 4)
     bm.add_sequence(1, [1, 2, 3, 4])

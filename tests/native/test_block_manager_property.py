@@ -76,10 +76,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         )
         sequential = copy.deepcopy(self.h.ref)  # what one append per sequence would do
         free_before = self.h.native.num_free_blocks
+        need_status, need = self.h.call("blocks_needed_to_append_batch", ids, counts)
         status, copies = self.h.call("append_tokens_batch", ids, [t for tail in tails for t in tail], counts)
         if len(set(ids)) != len(ids):
-            assert status == "error"
+            assert status == "error" and need_status == "error"
             return
+        assert need_status == "ok" and (status == "ok") == (need <= free_before)
         try:
             for seq_id, tail in zip(ids, tails, strict=True):
                 sequential.append_tokens(seq_id, tail)
@@ -88,7 +90,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             fits = False
         assert (status == "ok") == fits  # the batch pre-check is exact, not conservative
         if status == "ok":
-            assert free_before - self.h.native.num_free_blocks == new_blocks + len(copies)
+            assert free_before - self.h.native.num_free_blocks == new_blocks + len(copies) == need
             for seq_id, tail in zip(ids, tails, strict=True):
                 start = len(self.h.tokens[seq_id])
                 self.h.tokens[seq_id] = self.h.tokens[seq_id] + tail

@@ -90,6 +90,10 @@ class BlockManager {
   void set_tokens(int64_t seq_id, int64_t start, const int32_t* tokens, int64_t num_tokens);
   // Exact number of blocks append_tokens would take (new blocks plus a copy-on-write block).
   int64_t blocks_needed_to_append(int64_t seq_id, int64_t num_tokens) const;
+  // Exact number of blocks append_tokens_batch would take for these counts (ids distinct): of k
+  // appending holders of one shared last block, fewer than k may copy it.
+  int64_t blocks_needed_to_append_batch(const int64_t* seq_ids, const int32_t* num_tokens,
+                                        int64_t batch) const;
   // The child shares every block of the parent (copy-on-write on the next divergent append).
   void fork(int64_t parent_id, int64_t child_id);
   // Keeps the first num_tokens tokens, releasing whole blocks past them. Copy-on-write of a now
@@ -122,6 +126,9 @@ class BlockManager {
 
  private:
   Sequence& get(int64_t seq_id);
+  // New blocks plus copy-on-write copies for appending num_tokens[i] tokens to seqs[i].
+  int64_t batch_append_need(const Sequence* const* seqs, const int32_t* num_tokens,
+                            int64_t batch) const;
   // Division by the block size, a shift for the usual powers of two (a 64-bit divide costs tens
   // of cycles, several times per appended sequence). Arguments are never negative.
   int64_t block_of(int64_t pos) const { return shift_ >= 0 ? pos >> shift_ : pos / block_size_; }

@@ -514,3 +514,38 @@ def test_drafts_give_way_to_an_admission_their_kv_blocks_would_keep_out(backend)
         out = s.schedule()
         got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
         assert got == want, (num_blocks, got)
+
+
+def test_drafts_vs_admission_counts_a_forks_copy_on_write_blocks(backend):
+    """A group of two (leader and child) shares a 10-token prompt's 3 blocks of 4, the last
+    half full: their first output tokens copy it once (the second writer writes in place).
+    Pool of 12: 9 free, the copy leaves 8, and W's 28-token prompt needs 7, so plain decoding
+    admits W. With two drafts each, the group's drafts take 2 more blocks: W would wait, so
+    nobody drafts this step (before, the copy was not counted and the drafts took W's blocks).
+    With a pool of 14 there is room for both, and the drafts stay."""
+    for num_blocks, want in (
+        (12, {1: (1, 0), 11: (1, 0), 2: (28, 0)}),
+        (14, {1: (3, 2), 11: (3, 2), 2: (28, 0)}),
+    ):
+        s = make_scheduler(
+            backend, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, max_num_seqs=4
+        )
+        leader = make_request(1, prompt_len=10, max_tokens=30, rid="g")
+        child = Request(
+            seq_id=11,
+            request_id="g",
+            index=1,
+            prompt_token_ids=leader.prompt_token_ids,
+            sampling_params=leader.sampling_params,
+            arrival_time=0.0,
+            eos_token_ids=(2,),
+        )
+        s.add_request(leader, [child])
+        step(s)
+        assert s.kv.num_free_blocks == num_blocks - 3
+        for seq_id in (1, 11):
+            s.get_sequence(seq_id).spec_token_ids = [9, 9]
+        s.add_request(make_request(2, prompt_len=28, max_tokens=30))
+        out = s.schedule()
+        got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
+        assert got == want, (num_blocks, got)
