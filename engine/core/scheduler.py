@@ -231,23 +231,28 @@ class Scheduler:
         room = kv.num_free_blocks - own_blocks
         return room - drafts < kv.blocks_to_admit(head.num_tokens) <= room
 
-    def _admission_need(self, budget: int, head: Request | None) -> int:
+    def _admission_need(self, budget: int, head: Request | None, own: int | None = None) -> int:
         """The budget plain decoding would give `head`, the waiting request admitted next,
-        after the running sequences' own tokens: its whole prompt without chunked prefill (0 if
-        it does not fit), else as much of it as they leave (1 at least). 0 without one. The
-        budget held for a request the pool cannot take yet is the drafts' loss."""
+        after the running sequences' own tokens (`own`, default: what they hold now): its whole
+        prompt without chunked prefill (0 if it does not fit), else as much of it as they leave
+        (1 at least). 0 without one. The budget held for a request the pool cannot take yet is
+        the drafts' loss."""
         if head is None:
             return 0
-        left = budget - sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
+        if own is None:
+            own = sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
+        left = budget - own
         if not self.config.enable_chunked_prefill:
             return head.num_tokens if head.num_tokens <= left else 0
         return min(head.num_tokens, max(left, 1))
 
-    def admission_reserve(self, budget: int) -> int:
+    def admission_reserve(self, budget: int, own: int | None = None) -> int:
         """What drafts of decodes leave to the next admission (`_draft_reserves` with no prompt
         running): a chained speculative step (core/spec_lookahead.py) that would leave less
-        declines, and the synchronous step schedules as this scheduler does."""
-        need = self._admission_need(budget, self._admission_head())
+        declines, and the synchronous step schedules as this scheduler does. `own`: the running
+        sequences' own tokens in that step (the chained step plans before its predecessor is
+        applied, whose inputs the sequences still hold: one token each, its bonus token)."""
+        need = self._admission_need(budget, self._admission_head(), own)
         return min(need, self._prompt_share(budget)) if self.config.enable_chunked_prefill else need
 
     def _schedule_running(

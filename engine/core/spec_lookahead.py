@@ -153,7 +153,7 @@ def plan_spec_lookahead(
     budget = scheduler.config.max_num_batched_tokens
     if len(seqs) * q > budget:
         return None  # over the step's token budget (the input buffers): the synchronous step splits
-    if admitting and budget - len(seqs) * q < scheduler.admission_reserve(budget):
+    if admitting and budget - len(seqs) * q < scheduler.admission_reserve(budget, own=len(seqs)):
         return None  # drafts would take what the synchronous step leaves the admission
     if admitting:
         steps = 1  # (the admitted prompts' rows are in the first device step only)

@@ -283,3 +283,27 @@ def test_device_steps_stop_where_a_stop_token_is_expected():
     # the sequence that runs longest decides
     assert steps([None, None], {0: 3, 1: 17}) == 4  # ceil(13 / 4)
     assert steps([None, None], {0: 3, 1: None}) == 8
+
+
+def test_a_chained_step_leaves_the_admission_what_the_synchronous_step_would():
+    """Budget 16, K 3: step N verifies A and B (a draft each) and admits P's whole 12-token
+    prompt. W waits. After N, A, B and P decode a token each, so the synchronous step leaves W up
+    to half of 16 - 3 (6) beyond what drafts take; a chained step of three sequences x 4 rows
+    leaves 4, so it declines. (Before, the chained step counted P's 12 prompt tokens, N's
+    inputs not yet applied, as P's own tokens in it: W's share read 2 and the chain went on.)"""
+    kv = KVCacheManager(64, BLOCK, backend_factory=lambda n, b, p: BlockManager(n, b, p))
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16), kv, 64, clock=lambda: 0.0)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        s.add_request(Request(i, f"r{i}", 0, [5 + i] * 3, params, 0.0, eos_token_ids=(2,)))
+    first = s.schedule()
+    s.update(first, ModelRunnerOutput([SampledTokens(x.seq_id, [7]) for x in first.sequences]))
+    for seq, d in zip(s.running, ([9], [8]), strict=True):
+        seq.spec_token_ids = d
+    s.add_request(Request(5, "p", 0, [4] * 12, params, 0.0, eos_token_ids=(2,)))
+    step_n = s.schedule()
+    got = {x.seq_id: (len(x.token_ids), x.num_spec_tokens) for x in step_n.sequences}
+    assert got == {0: (2, 1), 1: (2, 1), 5: (12, 0)}
+    s.add_request(Request(9, "w", 0, [3] * 10, params, 0.0, eos_token_ids=(2,)))
+    assert s.admission_reserve(16, own=3) == 6
+    assert plan_spec_lookahead(s, step_n, K) is None
