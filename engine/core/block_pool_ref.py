@@ -246,11 +246,14 @@ class BlockManager:
         counts = _int_list(num_tokens, "num_tokens")
         if len(ids) != len(counts):
             raise ValueError("seq_ids and num_tokens differ in length")
-        if len(set(ids)) != len(ids):
-            raise ValueError("a sequence id appears twice in one batch")
+        seqs: list[_Sequence] = []
+        for seq_id in ids:  # as the native core: a repeat, or an unknown id, in order
+            if seq_id in ids[: len(seqs)]:
+                raise ValueError("a sequence id appears twice in one batch")
+            seqs.append(self._get(seq_id))
         if any(n < 0 for n in counts):
             raise ValueError("num_tokens must be >= 0")
-        return self._batch_append_need([self._get(i) for i in ids], counts)
+        return self._batch_append_need(seqs, counts)
 
     def append_tokens(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
         seq = self._get(seq_id)

@@ -183,8 +183,6 @@ class Scheduler:
         if not any(r.spec_token_ids for r in self.running):
             return None
         head = self._admission_head()
-        if head is not None and self._drafts_block(head):
-            return dict.fromkeys((r.seq_id for r in self.running), budget)  # none this step
         chunked = self.config.enable_chunked_prefill
         share = self._prompt_share(budget)
         work = self._admission_need(budget, head)
@@ -193,12 +191,14 @@ class Scheduler:
             reserves[seq.seq_id] = min(work, share) if chunked else work
             own = min(seq.num_tokens, self.max_model_len) - seq.num_computed_tokens
             work += max(own - 1, 0)  # (its first token is reserved apart, as every sequence's)
+        if head is not None and self._drafts_block(head, budget, reserves):
+            return dict.fromkeys(reserves, budget)  # none this step
         return reserves
 
-    def _prompt_share(self, budget: int) -> int:
+    def _prompt_share(self, budget: int, own: int | None = None) -> int:
         """With chunked prefill, the most of the budget drafts leave to prompt work: half of what
-        one token for each running sequence leaves (1 at least)."""
-        return max((budget - len(self.running)) // 2, 1)
+        one token for each running sequence (`own`, default: as many as run) leaves (1 at least)."""
+        return max((budget - (len(self.running) if own is None else own)) // 2, 1)
 
     def _admission_head(self) -> Request | None:
         """The waiting request admitted next, if it has a seat (None: no waiting request, or
@@ -210,22 +210,31 @@ class Scheduler:
             return None
         return head
 
-    def _drafts_block(self, head: Request) -> bool:
-        """Whether the KV blocks of this step's drafts would keep `head` out that the running
-        sequences' own tokens leave room for (as `KVCacheManager.allocate` counts: the whole
-        prompt, plus the watermark). Drafts are reserved before admission; with a short pool
-        they kept a request that plain decoding admits waiting until a drafting sequence ended
-        (a review, 2026-12-06). Blocks as the step's append takes them: copy-on-write copies
-        of shared last blocks included (a fork's first tokens, drafts after reserved slots)."""
-        kv = self.kv
+    def _drafts_block(self, head: Request, budget: int, reserves: dict[int, int]) -> bool:
+        """Whether the KV blocks of this step's drafts would keep `head` out where plain decoding
+        admits it: the running sequences' own tokens leave it the budget and room (as
+        `KVCacheManager.allocate` counts: the whole prompt, plus the watermark), their own
+        tokens plus the drafts the budget gives them (`reserves`) do not. Drafts are reserved
+        before admission; with a short pool they kept a request that plain decoding admits
+        waiting until a drafting sequence ended (a review, 2026-12-06). Blocks as the step's
+        append takes them: copy-on-write copies of shared last blocks included (a fork's first
+        tokens, drafts after reserved slots)."""
+        left = budget - sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
+        if (left < 1) if self.config.enable_chunked_prefill else (head.num_tokens > left):
+            return False  # plain decoding has no budget for it this step either
         ids: list[int] = []
         own: list[int] = []
         with_drafts: list[int] = []
-        for r in self.running:
-            with_spec = r.num_tokens if r.pending_children else r.num_tokens_with_spec
+        left = budget
+        num_running = len(self.running)
+        for i, r in enumerate(self.running):  # the budget as `_schedule_running` hands it out
+            later = num_running - i - 1
+            new = self._num_new_tokens(r, left, later, later + reserves[r.seq_id]) if left > 0 else 0
+            left -= new
             ids.append(r.seq_id)
             own.append(max(r.num_tokens - r.num_kv_tokens, 0))
-            with_drafts.append(max(min(with_spec, self.max_model_len) - r.num_kv_tokens, own[-1]))
+            with_drafts.append(max(r.num_computed_tokens + new - r.num_kv_tokens, own[-1]))
+        kv = self.kv
         own_blocks = kv.blocks_needed_to_append_batch(ids, own)
         drafts = kv.blocks_needed_to_append_batch(ids, with_drafts) - own_blocks
         room = kv.num_free_blocks - own_blocks
@@ -253,7 +262,7 @@ class Scheduler:
         sequences' own tokens in that step (the chained step plans before its predecessor is
         applied, whose inputs the sequences still hold: one token each, its bonus token)."""
         need = self._admission_need(budget, self._admission_head(), own)
-        return min(need, self._prompt_share(budget)) if self.config.enable_chunked_prefill else need
+        return min(need, self._prompt_share(budget, own)) if self.config.enable_chunked_prefill else need
 
     def _schedule_running(
         self,

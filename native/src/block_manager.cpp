@@ -198,6 +198,7 @@ std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
   }
   require_blocks(needed, "append_tokens_batch");
   std::vector<BlockCopy> copies;
+  copies.reserve(batch);  // (at most one a sequence: push_back below never allocates)
   for (int64_t i = 0; i < batch; ++i) reserve_append(seqs[i], num_tokens[i]);
   // Nothing below throws.
   for (int64_t i = 0; i < batch; ++i) {

@@ -81,6 +81,9 @@ def test_batch_need_counts_one_copy_fewer_than_the_holders_that_write(impl) -> N
         bm.blocks_needed_to_append_batch([1, 1], [1, 1])
     with pytest.raises(ValueError):
         bm.blocks_needed_to_append_batch([1], [-1])
+    for ids in ([99], [1, 99, 1]):  # an unknown id first, as both implementations check in order
+        with pytest.raises(impl.UnknownSequenceError):
+            bm.blocks_needed_to_append_batch(ids, [-1] * len(ids))
     bm.check_invariants()
 
 

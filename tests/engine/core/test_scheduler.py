@@ -549,3 +549,43 @@ def test_drafts_vs_admission_counts_a_forks_copy_on_write_blocks(backend):
         out = s.schedule()
         got = {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences}
         assert got == want, (num_blocks, got)
+
+
+def test_drafts_vs_admission_counts_the_drafts_the_budget_gives(backend):
+    """Without chunked prefill, budget 8, a pool of 3 blocks of 4: A decodes at 3 tokens (one
+    block), W waits with 4 tokens (one block). Plain decoding admits W. A's 8 drafts would take
+    2 more blocks and keep W out, but the budget gives A 3 of them (W keeps its 4 tokens), which
+    fit one block: A verifies 3 and W is admitted (before, all 8 were counted and A verified
+    none)."""
+    s = make_scheduler(
+        backend, num_blocks=3, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=False
+    )
+    _decoding(s, make_request(0, prompt_len=3, max_tokens=30))
+    s.get_sequence(0).spec_token_ids = [9] * 8
+    s.add_request(make_request(9, prompt_len=4, max_tokens=30))
+    out = s.schedule()
+    assert {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences} == {0: (4, 3), 9: (4, 0)}
+    assert s.kv.num_free_blocks == 0
+
+
+def test_drafts_are_not_withheld_for_a_request_plain_decoding_does_not_admit(backend):
+    """Without chunked prefill, budget 16: three decodes' own tokens leave 13 of it, and W's
+    prompt is 14 tokens, so plain decoding does not admit W this step. The pool is short (W's
+    4 blocks would fit the 5 free ones, the drafts' 3 leave 2), but nothing is to be kept for W:
+    the drafts go (before, all 9 were withheld and W waited anyway)."""
+    s = make_scheduler(
+        backend,
+        num_blocks=8,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        enable_chunked_prefill=False,
+    )
+    _decoding(s, *(make_request(i, prompt_len=3, max_tokens=30) for i in range(3)))
+    for r in s.running:
+        r.spec_token_ids = [9, 9, 9]
+    s.add_request(make_request(9, prompt_len=14, max_tokens=30))
+    out = s.schedule()
+    assert {x.seq_id: (x.num_new_tokens, x.num_spec_tokens) for x in out.sequences} == {
+        i: (4, 3) for i in range(3)
+    }

@@ -307,3 +307,24 @@ def test_a_chained_step_leaves_the_admission_what_the_synchronous_step_would():
     s.add_request(Request(9, "w", 0, [3] * 10, params, 0.0, eos_token_ids=(2,)))
     assert s.admission_reserve(16, own=3) == 6
     assert plan_spec_lookahead(s, step_n, K) is None
+
+
+def test_a_chained_step_shares_the_budget_as_the_synchronous_step_after_its_predecessor():
+    """Budget 12, K 3: A and B verify a draft each at N, C ends at N (max_tokens 2), W waits
+    with 10 tokens. After N the synchronous step runs A and B and keeps W half of 12 - 2 (5);
+    the chained step's rows (2 x 4) leave 4, so it declines (before, the share counted C,
+    which is not in the chained step: 4, and the chain went on)."""
+    kv = KVCacheManager(64, BLOCK, backend_factory=lambda n, b, p: BlockManager(n, b, p))
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12), kv, 64, clock=lambda: 0.0)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    ends = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i, p in ((0, params), (1, params), (2, ends)):
+        s.add_request(Request(i, f"r{i}", 0, [5 + i] * 3, p, 0.0, eos_token_ids=(2,)))
+    first = s.schedule()
+    s.update(first, ModelRunnerOutput([SampledTokens(x.seq_id, [7]) for x in first.sequences]))
+    s.get_sequence(0).spec_token_ids = [9]
+    s.get_sequence(1).spec_token_ids = [8]
+    step_n = s.schedule()
+    s.add_request(Request(9, "w", 0, [3] * 10, params, 0.0, eos_token_ids=(2,)))
+    assert s.admission_reserve(12, own=2) == 5
+    assert plan_spec_lookahead(s, step_n, K) is None
