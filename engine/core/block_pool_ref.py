@@ -247,9 +247,11 @@ class BlockManager:
         if len(ids) != len(counts):
             raise ValueError("seq_ids and num_tokens differ in length")
         seqs: list[_Sequence] = []
+        seen: set[int] = set()
         for seq_id in ids:  # as the native core: a repeat, or an unknown id, in order
-            if seq_id in ids[: len(seqs)]:
+            if seq_id in seen:
                 raise ValueError("a sequence id appears twice in one batch")
+            seen.add(seq_id)
             seqs.append(self._get(seq_id))
         if any(n < 0 for n in counts):
             raise ValueError("num_tokens must be >= 0")

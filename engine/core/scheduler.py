@@ -185,13 +185,14 @@ class Scheduler:
         head = self._admission_head()
         chunked = self.config.enable_chunked_prefill
         share = self._prompt_share(budget)
-        work = self._admission_need(budget, head)
+        own_tokens = self._own_tokens() if head is not None else 0  # (unused without a head)
+        work = self._admission_need(budget, head, own_tokens)
         reserves: dict[int, int] = {}
         for seq in reversed(self.running):
             reserves[seq.seq_id] = min(work, share) if chunked else work
             own = min(seq.num_tokens, self.max_model_len) - seq.num_computed_tokens
             work += max(own - 1, 0)  # (its first token is reserved apart, as every sequence's)
-        if head is not None and self._drafts_block(head, budget, reserves):
+        if head is not None and self._drafts_block(head, budget, reserves, own_tokens):
             return dict.fromkeys(reserves, budget)  # none this step
         return reserves
 
@@ -210,7 +211,12 @@ class Scheduler:
             return None
         return head
 
-    def _drafts_block(self, head: Request, budget: int, reserves: dict[int, int]) -> bool:
+    def _own_tokens(self) -> int:
+        """The running sequences' own tokens this step (prompt chunks left, decodes' last
+        token): what plain decoding schedules before any admission."""
+        return sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
+
+    def _drafts_block(self, head: Request, budget: int, reserves: dict[int, int], own_tokens: int) -> bool:
         """Whether the KV blocks of this step's drafts would keep `head` out where plain decoding
         admits it: the running sequences' own tokens leave it the budget and room (as
         `KVCacheManager.allocate` counts: the whole prompt, plus the watermark), their own
@@ -218,8 +224,8 @@ class Scheduler:
         before admission; with a short pool they kept a request that plain decoding admits
         waiting until a drafting sequence ended (a review, 2026-12-06). Blocks as the step's
         append takes them: copy-on-write copies of shared last blocks included (a fork's first
-        tokens, drafts after reserved slots)."""
-        left = budget - sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
+        tokens, drafts after reserved slots). `own_tokens`: `_own_tokens()`."""
+        left = budget - own_tokens
         if (left < 1) if self.config.enable_chunked_prefill else (head.num_tokens > left):
             return False  # plain decoding has no budget for it this step either
         ids: list[int] = []
@@ -248,9 +254,7 @@ class Scheduler:
         the drafts' loss."""
         if head is None:
             return 0
-        if own is None:
-            own = sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
-        left = budget - own
+        left = budget - (self._own_tokens() if own is None else own)
         if not self.config.enable_chunked_prefill:
             return head.num_tokens if head.num_tokens <= left else 0
         return min(head.num_tokens, max(left, 1))
