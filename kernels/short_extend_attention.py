@@ -58,6 +58,10 @@ MAX_TOKENS = 16
 # x 5 tokens (5 splits) 22.2 vs 25.2 us at 512 tokens of context, 51.5 vs 53.7 at 2048; SmolLM2
 # batch 8 x 5 (22 splits) 15.2 vs 11.3 us. PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS moves it (A/B).
 FUSED_MAX_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS", "8"))
+# Rows a program takes at most when a sequence's tokens are split over several programs (token
+# blocks): 0 keeps every token of a sequence in one program. PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS
+# moves it (A/B).
+BLOCK_ROWS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS", "0"))
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
 
@@ -92,6 +96,19 @@ def packs_rows(max_query_len: int, group: int) -> bool:
     return rows_per_program(max_query_len, group) < padded
 
 
+def tokens_per_program(max_query_len: int, group: int, block_rows: int | None = None) -> int:
+    """Tokens of a sequence one program takes: all of them, or with `block_rows` (default
+    BLOCK_ROWS; 0: off) as few equal blocks as keep each within that many rows (SmolLM2's 7 tokens
+    x group 3, 32 rows: two programs of 4 and 3 tokens, 16 rows each). Each block reads the
+    sequence's K/V again (from L2 at these sizes); a latency-bound program's time follows its rows."""
+    block_rows = BLOCK_ROWS if block_rows is None else block_rows
+    tokens = max(1, max_query_len)
+    fit = block_rows // group
+    if block_rows <= 0 or fit < 1 or rows_per_program(tokens, group) <= block_rows:
+        return tokens
+    return triton.cdiv(tokens, triton.cdiv(tokens, fit))
+
+
 def takes(max_query_len: int | None, num_heads: int, num_kv_heads: int) -> bool:
     """Whether a chunk of at most max_query_len tokens a sequence goes to this kernel."""
     if not SHORT_EXTEND_ENABLED or max_query_len is None or max_query_len < 1:
@@ -112,18 +129,21 @@ def _short_extend_kernel(
     out_ptr,  # [T, H, D] (written when not IS_SPLIT)
     part_out_ptr,  # fp32 [T, H, num_splits, D_PAD] (written when IS_SPLIT)
     part_lse_ptr,  # fp32 [T, H, num_splits]
-    counter_ptr,  # int32 [>= S * KVH], zero on entry and on exit (MERGE_FUSED only)
+    counter_ptr,  # int32 [>= S * token_blocks * KVH], zero on entry and on exit (MERGE_FUSED only)
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bts, stride_ot, stride_oh, head_dim, num_heads, num_splits,
+    token_blocks,  # programs a sequence's tokens are spread over (axis 0: seq * token_blocks + block)
     IS_SPLIT: tl.constexpr, MERGE_FUSED: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    TOKENS: tl.constexpr,  # tokens a program takes (a block's; the last one's may be fewer)
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, PACKED: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge may be scheduled now; it waits for our results
-    seq = tl.program_id(0)
+    seq = tl.program_id(0) // token_blocks
+    first_tok = (tl.program_id(0) % token_blocks) * TOKENS
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -137,11 +157,13 @@ def _short_extend_kernel(
     if PACKED:  # token * GROUP + head (packs_rows)
         tok = r // GROUP
         g = r % GROUP
-        row_ok = tok < q_len
+        row_ok = tok < TOKENS
     else:  # token * GROUP_P2 + head
         tok = r // GROUP_P2
         g = r % GROUP_P2
-        row_ok = (tok < q_len) & (g < GROUP)
+        row_ok = (tok < TOKENS) & (g < GROUP)
+    tok = first_tok + tok  # the block's tokens
+    row_ok = row_ok & (tok < q_len)
     heads = kv_head * GROUP + g  # [ROWS]
     last_key = tl.where(row_ok, seq_len - q_len + tok, -1)  # causal: the row's own position
     tokens = (q_start + tok).to(tl.int64)
@@ -184,7 +206,7 @@ def _short_extend_kernel(
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
         if MERGE_FUSED:  # as the decode kernel's: the last split of (seq, KV head) merges its rows
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head  # (seq, block)
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 o_rows = out_ptr + tokens * stride_ot + heads * stride_oh
@@ -207,18 +229,22 @@ def paged_short_extend_attention(
     num_splits: int | None = None,
     config: ShortExtendConfig | None = None,
     merge: SplitMerge | None = None,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] -> out [T, H, D], every sequence bringing <= max_query_len new tokens
     (ops.paged_extend_attention checks it for CPU tensors only: on CUDA the rows past it are never
     computed). num_splits None: from the grid, as for decode; merge None: decode's rule for the
-    same grid (decode_attention.default_merge), the separate merge above FUSED_MAX_SPLITS splits."""
+    same grid (decode_attention.default_merge), the separate merge above FUSED_MAX_SPLITS splits.
+    block_rows: see tokens_per_program (None: BLOCK_ROWS)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
-    rows = rows_per_program(max_query_len, group)
-    if rows > MAX_ROWS:
+    if rows_per_program(max_query_len, group) > MAX_ROWS:
         raise ValueError(f"{max_query_len} tokens x group {group} exceed the short path's {MAX_ROWS} rows")
+    tokens = tokens_per_program(max_query_len, group, block_rows)
+    token_blocks = triton.cdiv(max(1, max_query_len), tokens)
+    rows = rows_per_program(tokens, group)
     config = config or default_config(query.device)
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
@@ -229,7 +255,7 @@ def paged_short_extend_attention(
     busy_seqs = min(num_seqs, triton.cdiv(num_tokens, max(1, max_query_len)))
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
-        num_splits = default_num_splits(busy_seqs, num_kv_heads, max_context, query.device)
+        num_splits = default_num_splits(busy_seqs * token_blocks, num_kv_heads, max_context, query.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
@@ -239,12 +265,12 @@ def paged_short_extend_attention(
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel without splits
-    merge = merge_for(merge, num_splits, busy_seqs * num_kv_heads, query.device)
-    merge, counters = fused_counters(merge, query.device, num_seqs * num_kv_heads)
+    merge = merge_for(merge, num_splits, busy_seqs * token_blocks * num_kv_heads, query.device)
+    merge, counters = fused_counters(merge, query.device, num_seqs * token_blocks * num_kv_heads)
     use_pdl = merge is SplitMerge.PDL
     # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK (fixed otherwise: no recompiles).
     splits_pad = max(2, triton.next_power_of_2(num_splits)) if merge is SplitMerge.FUSED else 2
-    _short_extend_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _short_extend_kernel[(num_seqs * token_blocks, num_kv_heads, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -260,12 +286,14 @@ def paged_short_extend_attention(
         head_dim,
         num_heads,
         num_splits,
+        token_blocks,
         IS_SPLIT=num_splits > 1,
         MERGE_FUSED=merge is SplitMerge.FUSED,
         LAUNCH_DEPENDENTS=use_pdl,
+        TOKENS=tokens,
         GROUP=group,
         GROUP_P2=triton.next_power_of_2(group),
-        PACKED=packs_rows(max_query_len, group),
+        PACKED=packs_rows(tokens, group),
         ROWS=rows,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,

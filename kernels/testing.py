@@ -46,6 +46,7 @@ class AttentionCase:
     max_context_len: int | None = None  # decode, Triton: the host-side bound on the contexts
     extend_path: str | None = None  # extend, Triton: "tiled" / "short" forces a kernel; None: dispatch
     max_query_len: int | None = None  # extend: the host-side bound passed (a graph's q); None: max(q_lens)
+    block_rows: int | None = None  # short extend: rows a token block may take (tokens_per_program)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ def _forced_extend(case: AttentionCase, device: torch.device):
         from pagedinfer.kernels.decode_merge import SplitMerge
 
         merge = None if case.merge is None else SplitMerge(case.merge)
-        return sea.paged_short_extend_attention, {"num_splits": case.num_splits, "merge": merge}
+        kw = {"num_splits": case.num_splits, "merge": merge, "block_rows": case.block_rows}
+        return sea.paged_short_extend_attention, kw
     from pagedinfer.kernels import extend_attention as ea
 
     block_table_tokens = 1 << 20  # any capacity: the tiles only
@@ -263,6 +265,13 @@ INTERPRETER_CASES = (
        num_splits=3, shared_blocks=1, merge="fused", repeat_splits=(1, 5), extend_path="short"),
     _C("extend_short_fused_d128", "extend", (50, 64), q_lens=(8, 6), num_heads=8, num_kv_heads=2, head_dim=128,
        num_splits=4, merge="fused", extend_path="short"),
+    # a sequence's tokens over several programs (token blocks; 7 x 3 rows as 4 + 3 tokens, 16 rows)
+    _C("extend_short_token_blocks", "extend", (37, 70, 9, 130), q_lens=(7, 5, 7, 1), num_heads=9, num_kv_heads=3,
+       num_splits=3, shared_blocks=1, block_rows=16, extend_path="short"),
+    _C("extend_short_token_blocks_fused", "extend", (37, 70, 9, 130), q_lens=(7, 4, 7, 0), num_heads=9,
+       num_kv_heads=3, num_splits=3, merge="fused", repeat_splits=(1, 4), block_rows=16, extend_path="short"),
+    _C("extend_short_token_blocks_group4", "extend", (40, 9, 64), q_lens=(5, 2, 5), num_heads=8, num_kv_heads=2,
+       num_splits=1, block_rows=16, extend_path="short"),
     _C("extend_short_mha_d80_bs8", "extend", (30, 9), q_lens=(3, 2), num_heads=4, num_kv_heads=4, head_dim=80,
        block_size=8, extend_path="short"),
     _C("extend_short_group8_d128", "extend", (50, 64), q_lens=(8, 6), num_heads=16, num_kv_heads=2, head_dim=128,

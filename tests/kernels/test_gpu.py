@@ -60,6 +60,13 @@ GPU_CASES = (
        merge="fused", repeat_splits=(22, 3), extend_path="short", **SMOLLM),
     _C("extend_llama_verify_fused_splits", "extend", (3000, 16, 700), q_lens=(16, 16, 9), num_splits=64,
        merge="fused", repeat_splits=(5,), extend_path="short", **LLAMA),
+    # a sequence's tokens over programs of <= 16 rows (token blocks), PDL / fused merges
+    _C("extend_smollm_verify_token_blocks", "extend", (2048, 7, 9, 999, 1, 420, 64, 4000),
+       q_lens=(7, 7, 7, 2, 0, 7, 5, 7), block_rows=16, extend_path="short", **SMOLLM),
+    _C("extend_smollm_verify_token_blocks_fused", "extend", (2048, 7, 9, 999, 1, 420), q_lens=(7, 7, 7, 2, 0, 7),
+       merge="fused", repeat_splits=(11, 3), block_rows=16, extend_path="short", **SMOLLM),
+    _C("extend_llama_verify_token_blocks", "extend", (3000, 16, 700, 5), q_lens=(7, 7, 5, 1), num_splits=8,
+       block_rows=16, extend_path="short", **LLAMA),
     _C("extend_llama_verify_tiled", "extend", (600, 2049, 31), q_lens=(5, 3, 5), extend_path="tiled", **LLAMA),
     # 64 rows (16 tokens x group 4) at head_dim 256; a graph's bound (q = 8) above every chunk with
     # pad sequences in one shared 64-token block (q_len == seq_len, q_len 0)

@@ -49,6 +49,26 @@ def test_rows_pack_only_where_fewer(max_query_len, group, rows, packed):
     assert sea.packs_rows(max_query_len, group) is packed
 
 
+@pytest.mark.parametrize(
+    "max_query_len,group,block_rows,tokens",
+    [
+        (7, 3, 16, 4),  # SmolLM2 at K = 6: 32 rows as blocks of 4 + 3 tokens (16 rows each)
+        (5, 3, 16, 5),  # K = 4: 15 rows fit one program
+        (3, 3, 16, 3),
+        (5, 4, 16, 3),  # Llama-3-8B at K = 4: 20 rows as 3 + 2 tokens
+        (7, 4, 16, 4),
+        (3, 8, 16, 2),  # group 8: two tokens a block
+        (16, 1, 16, 16),
+        (7, 3, 0, 7),  # off
+        (7, 32, 16, 7),  # a group wider than the block: no blocks
+    ],
+)
+def test_token_blocks_split_evenly_within_the_rows(max_query_len, group, block_rows, tokens):
+    assert sea.tokens_per_program(max_query_len, group, block_rows) == tokens
+    if tokens < max_query_len:
+        assert sea.rows_per_program(tokens, group) <= block_rows
+
+
 def _inputs(q_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2) -> dict:
     seq_lens = [n + 20 for n in q_lens]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
