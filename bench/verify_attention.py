@@ -101,7 +101,7 @@ def bench_shape(heads, batch: int, q: int, context: int, width: int, copy_gbps: 
     }
     row["floor_ms"] = kv_bytes / copy_gbps / 1e6
     ref = _variants(sets[0])["tiled"]()
-    row["token_blocks16"] = sea.tokens_per_program(q, heads.num_heads // heads.num_kv_heads, 16)
+    row["tokens_per_block16"] = sea.tokens_per_program(q, heads.num_heads // heads.num_kv_heads, 16)
     for name in ("short", "short_merge_kernel", "short_fused", "short_blocks16", "tiled", "decode_1tok"):
         fns = [_variants(x)[name] for x in sets]
         out = fns[0]()
@@ -133,7 +133,7 @@ def summarize(result: dict) -> str:
             f"| {r['model']} | {r['batch']}x{r['q']} @ {r['context']} | {r['short']['ms'] * 1e3:.1f} | "
             f"{r['short_merge_kernel']['ms'] * 1e3:.1f} | {r['short_vs_merge_kernel']:.2f} | "
             f"{r['short_fused']['ms'] * 1e3:.1f} | {r['fused_vs_merge_kernel']:.2f} | "
-            f"{r['short_blocks16']['ms'] * 1e3:.1f} ({r['token_blocks16']}) | {r['blocks16_vs_short']:.2f} | "
+            f"{r['short_blocks16']['ms'] * 1e3:.1f} ({r['tokens_per_block16']}) | {r['blocks16_vs_short']:.2f} | "
             f"{r['tiled']['ms'] * 1e3:.1f} | {r['short_vs_tiled']:.2f}x | {r['decode_1tok']['ms'] * 1e3:.1f} | "
             f"{r['short_vs_decode']:.2f} | {r['floor_ms'] * 1e3:.1f} | {r['short_vs_floor']:.2f} |"
         )

@@ -5,7 +5,8 @@ kernel (extend_attention.py) gives every (query tile, query head) a program of >
 5-token verification is one mostly-padding program per query head: each KV head is read once per
 query head of its group, and the whole context streams through one serial loop per program.
 
-Here a program takes every new token of one sequence times the GROUP query heads of one KV head
+Here a program takes the new tokens of one sequence (all of them, or a block of them: see
+tokens_per_program) times the GROUP query heads of one KV head
 (row r = token * GROUP + head in group, or token * GROUP_P2 + head: `packs_rows`; a K/V tile is
 loaded once for all of them) and one split of the context, as the decode kernel does; row r sees
 the keys up to its own position
@@ -98,7 +99,8 @@ def packs_rows(max_query_len: int, group: int) -> bool:
 
 def tokens_per_program(max_query_len: int, group: int, block_rows: int | None = None) -> int:
     """Tokens of a sequence one program takes: all of them, or with `block_rows` (default
-    BLOCK_ROWS; 0: off) as few equal blocks as keep each within that many rows (SmolLM2's 7 tokens
+    BLOCK_ROWS; 0: off; meant as a power of two >= 16, tl.dot's least rows, since a block's rows
+    are padded to one) as few equal blocks as keep each within that many rows (SmolLM2's 7 tokens
     x group 3, 32 rows: two programs of 4 and 3 tokens, 16 rows each). Each block reads the
     sequence's K/V again (from L2 at these sizes); a latency-bound program's time follows its rows."""
     block_rows = BLOCK_ROWS if block_rows is None else block_rows
@@ -152,6 +154,7 @@ def _short_extend_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    end = tl.where(first_tok < q_len, end, start)  # a block past the sequence's tokens: no keys
 
     r = tl.arange(0, ROWS)
     if PACKED:  # token * GROUP + head (packs_rows)
@@ -204,7 +207,7 @@ def _short_extend_kernel(
         tl.store(part_out_ptr + row[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
-        if MERGE_FUSED:  # as the decode kernel's: the last split of (seq, KV head) merges its rows
+        if MERGE_FUSED:  # as the decode kernel's: the last split of (seq, block, KV head) merges its rows
             tl.debug_barrier()  # every thread's partial stores precede the release below
             counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head  # (seq, block)
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")

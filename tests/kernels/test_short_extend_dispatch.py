@@ -165,5 +165,6 @@ def test_grid_counts_the_sequences_the_tokens_fill_not_the_graph_pads(monkeypatc
         torch.tensor([30] * b + [1] * b, dtype=torch.int32),
         0.125,
         max_query_len=q,
+        block_rows=0,  # (token blocks would count as programs too)
     )
     assert seen == [b] and len(launches) == 1
