@@ -62,7 +62,7 @@ FUSED_MAX_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS"
 # Rows a program takes at most when a sequence's tokens are split over several programs (token
 # blocks): 0 keeps every token of a sequence in one program. PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS
 # moves it (A/B).
-BLOCK_ROWS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS", "0"))
+BLOCK_ROWS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS", "16"))
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
 
