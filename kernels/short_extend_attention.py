@@ -135,8 +135,8 @@ def _short_extend_kernel(
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bts, stride_ot, stride_oh, head_dim, num_heads, num_splits,
-    token_blocks,  # programs a sequence's tokens are spread over (axis 0: seq * token_blocks + block)
     IS_SPLIT: tl.constexpr, MERGE_FUSED: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    TOKEN_BLOCKS: tl.constexpr,  # programs a sequence's tokens are spread over (axis 0: seq * it + block)
     TOKENS: tl.constexpr,  # tokens a program takes (a block's; the last one's may be fewer)
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, PACKED: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -144,8 +144,7 @@ def _short_extend_kernel(
 ):  # fmt: skip
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge may be scheduled now; it waits for our results
-    seq = tl.program_id(0) // token_blocks
-    first_tok = (tl.program_id(0) % token_blocks) * TOKENS
+    seq = tl.program_id(0) // TOKEN_BLOCKS
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -154,19 +153,22 @@ def _short_extend_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    end = tl.where(first_tok < q_len, end, start)  # a block past the sequence's tokens: no keys
 
     r = tl.arange(0, ROWS)
     if PACKED:  # token * GROUP + head (packs_rows)
         tok = r // GROUP
         g = r % GROUP
-        row_ok = tok < TOKENS
     else:  # token * GROUP_P2 + head
         tok = r // GROUP_P2
         g = r % GROUP_P2
-        row_ok = (tok < TOKENS) & (g < GROUP)
-    tok = first_tok + tok  # the block's tokens
-    row_ok = row_ok & (tok < q_len)
+    if TOKEN_BLOCKS > 1:  # the block's tokens; rows past TOKENS pad the block
+        in_block = tok < TOKENS
+        tok = (tl.program_id(0) % TOKEN_BLOCKS) * TOKENS + tok
+    row_ok = tok < q_len
+    if not PACKED:
+        row_ok = row_ok & (g < GROUP)
+    if TOKEN_BLOCKS > 1:
+        row_ok = row_ok & in_block
     heads = kv_head * GROUP + g  # [ROWS]
     last_key = tl.where(row_ok, seq_len - q_len + tok, -1)  # causal: the row's own position
     tokens = (q_start + tok).to(tl.int64)
@@ -289,10 +291,10 @@ def paged_short_extend_attention(
         head_dim,
         num_heads,
         num_splits,
-        token_blocks,
         IS_SPLIT=num_splits > 1,
         MERGE_FUSED=merge is SplitMerge.FUSED,
         LAUNCH_DEPENDENTS=use_pdl,
+        TOKEN_BLOCKS=token_blocks,
         TOKENS=tokens,
         GROUP=group,
         GROUP_P2=triton.next_power_of_2(group),
