@@ -276,7 +276,9 @@ def paged_short_extend_attention(
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel without splits
-    merge = merge_for(merge, num_splits, busy_seqs * token_blocks * num_kv_heads, query.device)
+    # (the merge by the sequences' grid, as before token blocks: with them batch 1 at 8 KV heads
+    # would count 16 programs and take the fused merge at <= 8 splits, not measured there)
+    merge = merge_for(merge, num_splits, busy_seqs * num_kv_heads, query.device)
     merge, counters = fused_counters(merge, query.device, num_seqs * token_blocks * num_kv_heads)
     use_pdl = merge is SplitMerge.PDL
     # Only the fused merge reads SPLITS_PAD / SPLIT_CHUNK (fixed otherwise: no recompiles).
