@@ -171,6 +171,12 @@ probe gemv_smollm2_b8 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2_b8" --mode
 probe spec_ngram_row_blocks_off env PAGEDINFER_GEMV_ROW_BLOCKS=0 "$PY" -P bench/speculative.py --device cuda \
   --out "$OUTDIR/spec_row_blocks_off" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" \
   --batches 1,8 --ks 2,4,6 --max-tokens 128 ${SPEC_BENCH_ARGS:-}
+# the n-gram rows again with each sequence's verification tokens in one attention program (token
+# blocks off: A/B of the default's blocks of <= 16 rows; only K 6 differs for SmolLM2)
+# shellcheck disable=SC2086  # SPEC_BENCH_ARGS splits into words
+probe spec_ngram_token_blocks_off env PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 "$PY" -P bench/speculative.py --device cuda \
+  --out "$OUTDIR/spec_token_blocks_off" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" \
+  --batches 1,8 --ks 2,4,6 --max-tokens 128 ${SPEC_BENCH_ARGS:-}
 probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \
