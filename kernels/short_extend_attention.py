@@ -144,8 +144,9 @@ def _short_extend_kernel(
 ):  # fmt: skip
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()  # the PDL merge may be scheduled now; it waits for our results
-    # One block: the kernel as it was before token blocks, op for op (a batch-8 K 2 verifying pass
-    # measured 1.07 of a plain one with block arithmetic at run time vs 1.04: bench/NOTES.md).
+    # One block: the kernel as it was before token blocks, op for op (identical PTX). A form that
+    # emitted the block masks with one block too (the same work plus a compare a row) ran a batch-8
+    # K 2 verifying pass at 1.07 of a plain one vs 1.04 (H100 A/B, bench/NOTES.md session 31).
     block_row = tl.program_id(0)  # (seq, block): its fused-merge counter
     if TOKEN_BLOCKS > 1:
         seq = block_row // TOKEN_BLOCKS
