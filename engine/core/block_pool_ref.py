@@ -242,6 +242,13 @@ class BlockManager:
         self, seq_ids: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray
     ) -> int:
         """Exact blocks `append_tokens_batch` would take for these counts (ids distinct)."""
+        seqs, counts = self._batch_args(seq_ids, num_tokens)
+        return self._batch_append_need(seqs, counts)
+
+    def _batch_args(
+        self, seq_ids: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray
+    ) -> tuple[list[_Sequence], list[int]]:
+        """The sequences and counts of a batch append, checked as the native core checks them."""
         ids = _int_list(seq_ids, "seq_ids")
         counts = _int_list(num_tokens, "num_tokens")
         if len(ids) != len(counts):
@@ -255,7 +262,7 @@ class BlockManager:
             seqs.append(self._get(seq_id))
         if any(n < 0 for n in counts):
             raise ValueError("num_tokens must be >= 0")
-        return self._batch_append_need(seqs, counts)
+        return seqs, counts
 
     def append_tokens(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
         seq = self._get(seq_id)
@@ -289,16 +296,8 @@ class BlockManager:
         num_tokens: Sequence[int] | np.ndarray,
     ) -> list[tuple[int, int]]:
         """append_tokens for many sequences in one call (all or nothing); returns all copies."""
-        ids = _int_list(seq_ids, "seq_ids")
+        seqs, counts = self._batch_args(seq_ids, num_tokens)
         tokens = _int_list(token_ids, "token_ids")
-        counts = _int_list(num_tokens, "num_tokens")
-        if len(ids) != len(counts):
-            raise ValueError("seq_ids and num_tokens differ in length")
-        seqs = [self._get(i) for i in ids]
-        if len(set(ids)) != len(ids):
-            raise ValueError("a sequence id appears twice in one batch")
-        if any(n < 0 for n in counts):
-            raise ValueError("num_tokens must be >= 0")
         if sum(counts) != len(tokens):
             raise ValueError("token_ids length differs from the sum of num_tokens")
         needed = self._batch_append_need(seqs, counts)

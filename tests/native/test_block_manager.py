@@ -84,6 +84,11 @@ def test_batch_need_counts_one_copy_fewer_than_the_holders_that_write(impl) -> N
     for ids in ([99], [1, 99, 1]):  # an unknown id first, as both implementations check in order
         with pytest.raises(impl.UnknownSequenceError):
             bm.blocks_needed_to_append_batch(ids, [-1] * len(ids))
+        with pytest.raises(impl.UnknownSequenceError):
+            bm.append_tokens_batch(ids, [7] * len(ids), [1] * len(ids))
+    for check in (bm.blocks_needed_to_append_batch, lambda i, n: bm.append_tokens_batch(i, [7] * 3, n)):
+        with pytest.raises(ValueError, match="twice"):  # a repeat before an unknown id
+            check([1, 1, 99], [1, 1, 1])
     bm.check_invariants()
 
 
