@@ -4,7 +4,6 @@
 #include <climits>
 #include <cstring>
 #include <string>
-#include <unordered_set>
 
 namespace pagedinfer {
 namespace {
@@ -171,16 +170,7 @@ int64_t BlockManager::batch_append_need(const Sequence* const* seqs, const int32
 int64_t BlockManager::blocks_needed_to_append_batch(const int64_t* seq_ids,
                                                     const int32_t* num_tokens,
                                                     int64_t batch) const {
-  std::vector<const Sequence*> seqs;
-  seqs.reserve(batch);
-  std::unordered_set<int64_t> seen;
-  for (int64_t i = 0; i < batch; ++i) {
-    if (!seen.insert(seq_ids[i]).second) {
-      throw std::invalid_argument("sequence " + std::to_string(seq_ids[i]) +
-                                  " appears twice in one batch");
-    }
-    seqs.push_back(&sequence(seq_ids[i]));
-  }
+  std::vector<const Sequence*> seqs = distinct_sequences(seq_ids, batch);
   return batch_append_need(seqs.data(), num_tokens, batch);
 }
 
@@ -211,19 +201,29 @@ std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
   return copies;
 }
 
-std::vector<Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids, int64_t batch) {
-  std::vector<Sequence*> seqs;
+std::vector<const Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids,
+                                                              int64_t batch) const {
+  std::vector<const Sequence*> seqs;
   seqs.reserve(batch);
   uint64_t stamp = ++batch_stamp_;
   for (int64_t i = 0; i < batch; ++i) {
-    Sequence& seq = get(seq_ids[i]);
+    const Sequence& seq = sequence(seq_ids[i]);
     if (seq.batch_stamp == stamp) {
       throw std::invalid_argument("sequence " + std::to_string(seq_ids[i]) +
                                   " appears twice in one batch");
     }
-    seq.batch_stamp = stamp;  // bookkeeping only: not observable state
+    seq.batch_stamp = stamp;
     seqs.push_back(&seq);
   }
+  return seqs;
+}
+
+std::vector<Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids, int64_t batch) {
+  std::vector<const Sequence*> found =
+      static_cast<const BlockManager*>(this)->distinct_sequences(seq_ids, batch);
+  std::vector<Sequence*> seqs;
+  seqs.reserve(found.size());
+  for (const Sequence* seq : found) seqs.push_back(const_cast<Sequence*>(seq));
   return seqs;
 }
 

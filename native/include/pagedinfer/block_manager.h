@@ -29,7 +29,9 @@ struct Sequence {
   std::vector<int32_t> blocks;  // page table: logical block -> physical block
   // Leading blocks already offered to the prefix cache (registered or deduplicated).
   int32_t num_hashed_blocks = 0;
-  uint64_t batch_stamp = 0;  // last batch call that visited it (duplicate-id detection)
+  // The last batch call that visited it (duplicate-id detection): bookkeeping, not state, so
+  // const batch queries may stamp it too (not thread-safe: the binding serialises every call).
+  mutable uint64_t batch_stamp = 0;
 };
 
 struct BlockManagerStats {
@@ -137,6 +139,8 @@ class BlockManager {
   }
   int64_t blocks_for(int64_t num_tokens) const { return block_of(num_tokens + block_size_ - 1); }
   int64_t append_need(const Sequence& seq, int64_t num_tokens) const;
+  // A batch's sequences in order; throws on an unknown id or one that appears twice.
+  std::vector<const Sequence*> distinct_sequences(const int64_t* seq_ids, int64_t batch) const;
   std::vector<Sequence*> distinct_sequences(const int64_t* seq_ids, int64_t batch);
   void reserve_append(Sequence* seq, int64_t num_tokens);
   void write_tokens(Sequence* seq, int64_t start, const int32_t* tokens,
@@ -163,7 +167,7 @@ class BlockManager {
   int64_t prefix_cache_queries_ = 0;
   int64_t cow_copies_ = 0;
   int64_t evictions_ = 0;
-  uint64_t batch_stamp_ = 0;
+  mutable uint64_t batch_stamp_ = 0;  // (see Sequence::batch_stamp)
 };
 
 }  // namespace pagedinfer
