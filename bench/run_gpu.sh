@@ -172,7 +172,8 @@ probe spec_ngram_row_blocks_off env PAGEDINFER_GEMV_ROW_BLOCKS=0 "$PY" -P bench/
   --out "$OUTDIR/spec_row_blocks_off" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" \
   --batches 1,8 --ks 2,4,6 --max-tokens 128 ${SPEC_BENCH_ARGS:-}
 # the n-gram rows again with each sequence's verification tokens in one attention program (token
-# blocks off: A/B of the default's blocks of <= 16 rows; only K 6 differs for SmolLM2)
+# blocks off: A/B of the default's blocks of <= 16 padded rows; for SmolLM2 K 4 and K 6 differ:
+# one packed 16-row program at K 4, one 32-row program at K 6)
 # shellcheck disable=SC2086  # SPEC_BENCH_ARGS splits into words
 probe spec_ngram_token_blocks_off env PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 "$PY" -P bench/speculative.py --device cuda \
   --out "$OUTDIR/spec_token_blocks_off" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" \

@@ -9,7 +9,7 @@ token block against the kernel before token blocks), identical PTX settles it on
 OTHER_MODULE.py: another version of the module (e.g. `git show REV:kernels/short_extend_attention.py`).
 For each shape (tokens a sequence, GQA group) and merge (PDL, fused) it prints the md5 of the PTX's
 instruction lines (comments and debug lines dropped) of both versions and whether they match
-(shapes where token blocks apply differ by design: 7,3 and 5,4). Compiles with the local Triton
+(shapes where token blocks apply differ by design: 5,3, 7,3 and 5,4). Compiles with the local Triton
 (`triton.compile` of an `ASTSource`, target cuda sm_90) at one fixed configuration: split-K on,
 head_dim 64, bf16, no divisibility hints on pointers and strides (the JIT adds them at launch),
 so the PTX hashed is a close relative of the one launched, compiled alike for both versions. The

@@ -88,25 +88,33 @@ def rows_per_program(max_query_len: int, group: int) -> int:
     return max(16, triton.next_power_of_2(max(1, max_query_len) * group))
 
 
+def padded_rows(max_query_len: int, group: int) -> int:
+    """A program's rows laid out as token * group_p2 + head: tokens and group each padded to a
+    power of two (at least 16 in all)."""
+    return max(16, triton.next_power_of_2(max(1, max_query_len)) * triton.next_power_of_2(group))
+
+
 def packs_rows(max_query_len: int, group: int) -> bool:
     """Whether rows are packed as token * group + head (SmolLM2's 5 tokens x group 3: 16 rows) or
     laid out as token * group_p2 + head (padding each: 32 there). Packed only where it takes fewer
     rows: at equal rows the padded layout measured faster in the engine (H100, n-gram batch 8, K 2:
     verifying pass 1.04 vs 1.065 of a plain one, bench/NOTES.md session 27)."""
-    padded = max(16, triton.next_power_of_2(max(1, max_query_len)) * triton.next_power_of_2(group))
-    return rows_per_program(max_query_len, group) < padded
+    return rows_per_program(max_query_len, group) < padded_rows(max_query_len, group)
 
 
 def tokens_per_program(max_query_len: int, group: int, block_rows: int | None = None) -> int:
     """Tokens of a sequence one program takes: all of them, or with `block_rows` (default
-    BLOCK_ROWS; 0: off; meant as a power of two >= 16, tl.dot's least rows, since a block's rows
-    are padded to one) as few equal blocks as keep each within that many rows (SmolLM2's 7 tokens
-    x group 3, 32 rows: two programs of 4 and 3 tokens, 16 rows each). Each block reads the
-    sequence's K/V again (from L2 at these sizes); a latency-bound program's time follows its rows."""
+    BLOCK_ROWS; 0: off; meant as a power of two >= 16, tl.dot's least rows) as few equal blocks as
+    keep each within that many rows of the padded layout (`padded_rows`): SmolLM2's 7 tokens x
+    group 3 as 4 + 3 tokens, its 5 as 3 + 2, 16 rows each. Sized by the padded layout, blocks never
+    pack rows: at batch 8 K 4 one packed program of 5 x 3 = 15 rows cost ~3% of a verifying pass
+    more than blocks of 2 + 2 + 1 tokens (the 3 + 2 form is not yet measured), as packing cost K 2
+    in session 27 (bench/NOTES.md sessions 27, 32). Each block reads the sequence's K/V again (from
+    L2 at these sizes)."""
     block_rows = BLOCK_ROWS if block_rows is None else block_rows
     tokens = max(1, max_query_len)
-    fit = block_rows // group
-    if block_rows <= 0 or fit < 1 or rows_per_program(tokens, group) <= block_rows:
+    fit = block_rows // triton.next_power_of_2(group)
+    if block_rows <= 0 or fit < 1 or padded_rows(tokens, group) <= block_rows:
         return tokens
     return triton.cdiv(tokens, triton.cdiv(tokens, fit))
 

@@ -273,6 +273,8 @@ INTERPRETER_CASES = (
     # one program a sequence above 16 rows (token blocks off: PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0)
     _C("extend_short_one_program", "extend", (37, 70, 9, 130), q_lens=(7, 5, 7, 1), num_heads=9, num_kv_heads=3,
        num_splits=3, shared_blocks=1, block_rows=0, extend_path="short"),
+    _C("extend_short_packed_one_program", "extend", (37, 70, 5, 130), q_lens=(5, 5, 5, 1), num_heads=9,
+       num_kv_heads=3, num_splits=3, shared_blocks=1, block_rows=0, extend_path="short"),  # 5 x 3 packed in 16
     _C("extend_short_one_program_fused", "extend", (37, 70, 5, 130), q_lens=(5, 5, 5, 1), num_heads=8,
        num_kv_heads=2, num_splits=3, merge="fused", repeat_splits=(1, 5), block_rows=0, extend_path="short"),
     _C("extend_short_token_blocks_exact", "extend", (40, 8, 64), q_lens=(8, 8, 5), num_heads=6, num_kv_heads=2,

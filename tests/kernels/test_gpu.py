@@ -67,6 +67,9 @@ GPU_CASES = (
        merge="fused", repeat_splits=(11, 3), block_rows=16, extend_path="short", **SMOLLM),
     _C("extend_llama_verify_token_blocks", "extend", (3000, 16, 700, 5), q_lens=(7, 7, 5, 1), num_splits=8,
        block_rows=16, extend_path="short", **LLAMA),
+    # one packed program of 5 x 3 rows (token blocks off: the layout the default no longer takes)
+    _C("extend_smollm_verify_packed", "extend", (2048, 5, 9, 999, 1, 420), q_lens=(5, 5, 5, 2, 0, 5), block_rows=0,
+       extend_path="short", **SMOLLM),
     _C("extend_llama_verify_tiled", "extend", (600, 2049, 31), q_lens=(5, 3, 5), extend_path="tiled", **LLAMA),
     # 64 rows (16 tokens x group 4) at head_dim 256; a graph's bound (q = 8) above every chunk with
     # pad sequences in one shared 64-token block (q_len == seq_len, q_len 0)

@@ -53,7 +53,7 @@ def test_rows_pack_only_where_fewer(max_query_len, group, rows, packed):
     "max_query_len,group,block_rows,tokens",
     [
         (7, 3, 16, 4),  # SmolLM2 at K = 6: 32 rows as blocks of 4 + 3 tokens (16 rows each)
-        (5, 3, 16, 5),  # K = 4: 15 rows fit one program
+        (5, 3, 16, 3),  # K = 4: 3 + 2 tokens (16 padded rows each), not one packed program of 15
         (3, 3, 16, 3),
         (5, 4, 16, 3),  # Llama-3-8B at K = 4: 20 rows as 3 + 2 tokens
         (7, 4, 16, 4),
@@ -61,12 +61,16 @@ def test_rows_pack_only_where_fewer(max_query_len, group, rows, packed):
         (16, 1, 16, 16),
         (7, 3, 0, 7),  # off
         (7, 32, 16, 7),  # a group wider than the block: no blocks
+        (3, 5, 16, 2),  # group 5 (8 padded): 2 + 1 tokens
+        (5, 3, 8, 2),  # 8-row blocks: 2 + 2 + 1
+        (5, 3, 0, 5),  # off: one packed program
     ],
 )
 def test_token_blocks_split_evenly_within_the_rows(max_query_len, group, block_rows, tokens):
     assert sea.tokens_per_program(max_query_len, group, block_rows) == tokens
-    if tokens < max_query_len:
-        assert sea.rows_per_program(tokens, group) <= block_rows
+    if tokens < max_query_len:  # blocks: each within block_rows unpacked
+        assert sea.padded_rows(tokens, group) <= max(16, block_rows)
+        assert not sea.packs_rows(tokens, group)
 
 
 def _inputs(q_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2) -> dict:
