@@ -253,16 +253,22 @@ class BlockManager:
         counts = _int_list(num_tokens, "num_tokens")
         if len(ids) != len(counts):
             raise ValueError("seq_ids and num_tokens differ in length")
+        seqs = self._distinct_sequences(ids)
+        if any(n < 0 for n in counts):
+            raise ValueError("num_tokens must be >= 0")
+        return seqs, counts
+
+    def _distinct_sequences(self, ids: list[int]) -> list[_Sequence]:
+        """A batch's sequences in order, as the native core finds them: the first repeated or
+        unknown id, whichever comes first, raises."""
         seqs: list[_Sequence] = []
         seen: set[int] = set()
-        for seq_id in ids:  # as the native core: a repeat, or an unknown id, in order
+        for seq_id in ids:
             if seq_id in seen:
                 raise ValueError("a sequence id appears twice in one batch")
             seen.add(seq_id)
             seqs.append(self._get(seq_id))
-        if any(n < 0 for n in counts):
-            raise ValueError("num_tokens must be >= 0")
-        return seqs, counts
+        return seqs
 
     def append_tokens(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
         seq = self._get(seq_id)
@@ -320,9 +326,7 @@ class BlockManager:
         tokens = _int_list(token_ids, "token_ids")
         if len(ids) != len(tokens):
             raise ValueError("seq_ids and token_ids differ in length")
-        if len(set(ids)) != len(ids):
-            raise ValueError("a sequence id appears twice in one batch")
-        seqs = [self._get(i) for i in ids]
+        seqs = self._distinct_sequences(ids)
         bs = self.block_size
         for seq_id, seq in zip(ids, seqs, strict=True):
             last = len(seq.tokens) - 1

@@ -92,6 +92,20 @@ def test_batch_need_counts_one_copy_fewer_than_the_holders_that_write(impl) -> N
     bm.check_invariants()
 
 
+def test_set_last_tokens_reports_the_first_bad_id_in_order(impl) -> None:
+    bm = impl.BlockManager(8, 4)
+    bm.add_sequence(1, [1, 2, 3])
+    bm.add_sequence(2, [4, 5])
+    with pytest.raises(impl.UnknownSequenceError):  # the unknown id before the repeat
+        bm.set_last_tokens(ids(1, 99, 1), i32(7, 7, 7))
+    with pytest.raises(ValueError, match="twice"):  # the repeat before the unknown id
+        bm.set_last_tokens(ids(1, 1, 99), i32(7, 7, 7))
+    assert bm.token_ids(1).tolist() == [1, 2, 3]  # all or nothing
+    bm.set_last_tokens(ids(2, 1), i32(8, 9))
+    assert bm.token_ids(1).tolist() == [1, 2, 9] and bm.token_ids(2).tolist() == [4, 8]
+    bm.check_invariants()
+
+
 def test_fork_of_full_last_block_needs_no_copy(impl) -> None:
     bm = impl.BlockManager(8, 4)
     bm.add_sequence(1, [1, 2, 3, 4])
