@@ -106,11 +106,13 @@ def tokens_per_program(max_query_len: int, group: int, block_rows: int | None = 
     """Tokens of a sequence one program takes: all of them, or with `block_rows` (default
     BLOCK_ROWS; 0: off; meant as a power of two >= 16, tl.dot's least rows) as few equal blocks as
     keep each within that many rows of the padded layout (`padded_rows`): SmolLM2's 7 tokens x
-    group 3 as 4 + 3 tokens, its 5 as 3 + 2, 16 rows each. Sized by the padded layout, blocks never
-    pack rows: at batch 8 K 4 one packed program of 5 x 3 = 15 rows cost ~3% of a verifying pass
-    more than blocks of 2 + 2 + 1 tokens (the 3 + 2 form is not yet measured), as packing cost K 2
-    in session 27 (bench/NOTES.md sessions 27, 32). Each block reads the sequence's K/V again (from
-    L2 at these sizes)."""
+    group 3 as 4 + 3 tokens, its 5 as 3 + 2, 16 rows each. Sized by the padded layout, blocks of
+    <= 16 rows never pack (wider ones may, where packing takes fewer rows: 5 tokens x 3 at 32). At
+    batch 8 K 4 one packed program of 5 x 3 = 15 rows cost ~3% of a verifying pass more than blocks
+    of 2 + 2 + 1 tokens; those also moved the grid to 4 splits and the fused merge, so packing
+    (which cost K 2 in session 27) is the likely cause, not a confirmed one, and the 3 + 2 form is
+    not yet measured (bench/NOTES.md sessions 27, 32). Each block reads the sequence's K/V again
+    (from L2 at these sizes)."""
     block_rows = BLOCK_ROWS if block_rows is None else block_rows
     tokens = max(1, max_query_len)
     fit = block_rows // triton.next_power_of_2(group)

@@ -201,13 +201,17 @@ std::vector<BlockCopy> BlockManager::append_tokens_batch(const int64_t* seq_ids,
   return copies;
 }
 
-std::vector<const Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids,
-                                                              int64_t batch) const {
-  std::vector<const Sequence*> seqs;
+namespace {
+
+// The sequences of a batch by id, in order, stamping each (Seq: Sequence or const Sequence; the
+// stamp is mutable bookkeeping); the first repeated or unknown id throws.
+template <typename Seq, typename Lookup>
+std::vector<Seq*> stamp_distinct(const int64_t* seq_ids, int64_t batch, uint64_t stamp,
+                                 Lookup lookup) {
+  std::vector<Seq*> seqs;
   seqs.reserve(batch);
-  uint64_t stamp = ++batch_stamp_;
   for (int64_t i = 0; i < batch; ++i) {
-    const Sequence& seq = sequence(seq_ids[i]);
+    Seq& seq = lookup(seq_ids[i]);
     if (seq.batch_stamp == stamp) {
       throw std::invalid_argument("sequence " + std::to_string(seq_ids[i]) +
                                   " appears twice in one batch");
@@ -218,13 +222,18 @@ std::vector<const Sequence*> BlockManager::distinct_sequences(const int64_t* seq
   return seqs;
 }
 
+}  // namespace
+
+std::vector<const Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids,
+                                                              int64_t batch) const {
+  return stamp_distinct<const Sequence>(
+      seq_ids, batch, ++batch_stamp_,
+      [this](int64_t id) -> const Sequence& { return sequence(id); });
+}
+
 std::vector<Sequence*> BlockManager::distinct_sequences(const int64_t* seq_ids, int64_t batch) {
-  std::vector<const Sequence*> found =
-      static_cast<const BlockManager*>(this)->distinct_sequences(seq_ids, batch);
-  std::vector<Sequence*> seqs;
-  seqs.reserve(found.size());
-  for (const Sequence* seq : found) seqs.push_back(const_cast<Sequence*>(seq));
-  return seqs;
+  return stamp_distinct<Sequence>(seq_ids, batch, ++batch_stamp_,
+                                  [this](int64_t id) -> Sequence& { return get(id); });
 }
 
 void BlockManager::reserve_append(Sequence* seq, int64_t num_tokens) {
