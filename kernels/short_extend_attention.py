@@ -63,6 +63,9 @@ FUSED_MAX_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS"
 # blocks): 0 keeps every token of a sequence in one program. PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS
 # moves it (A/B).
 BLOCK_ROWS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS", "16"))
+# At most this many splits where the grid picks them (0: no cap), to tell apart in an A/B what
+# token blocks change: their rows or the grid they make. PAGEDINFER_SHORT_EXTEND_MAX_SPLITS (A/B).
+SPLIT_CAP = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_MAX_SPLITS", "0"))
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
 
@@ -278,6 +281,8 @@ def paged_short_extend_attention(
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         num_splits = default_num_splits(busy_seqs * token_blocks, num_kv_heads, max_context, query.device)
+        if SPLIT_CAP > 0:
+            num_splits = min(num_splits, SPLIT_CAP)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:

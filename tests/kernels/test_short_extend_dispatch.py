@@ -172,3 +172,16 @@ def test_grid_counts_the_sequences_the_tokens_fill_not_the_graph_pads(monkeypatc
         block_rows=0,  # (token blocks would count as programs too)
     )
     assert seen == [b] and len(launches) == 1
+
+
+@pytest.mark.parametrize("cap, splits", [(0, 11), (4, 4), (16, 11)])
+def test_split_cap_bounds_the_grids_splits_only(monkeypatch, cap, splits):
+    # PAGEDINFER_SHORT_EXTEND_MAX_SPLITS (an A/B switch): the grid's choice, at most the cap.
+    kernel = _Spy()
+    monkeypatch.setattr(sea, "SPLIT_CAP", cap)
+    monkeypatch.setattr(sea, "default_num_splits", lambda *args: 11)
+    monkeypatch.setattr(sea, "_short_extend_kernel", kernel)
+    monkeypatch.setattr(sea, "reduce_splits", lambda *args, **kwargs: None)
+    x = _inputs([5, 3])
+    sea.paged_short_extend_attention(**x, max_query_len=5)
+    assert kernel.calls[-1][2] == splits
