@@ -181,8 +181,10 @@ probe spec_ngram_token_blocks_off env PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 "$PY"
 # the K 4 token-block layouts interleaved (~4 min): the default (3 + 2 tokens, 16 padded rows
 # each), one packed 15-row program (blocks off), 2 + 2 + 1 tokens (8-row blocks), and the default
 # with at most 4 splits (8-row blocks' grid: the fused merge) to tell rows from grid; bench/spec_ab.sh
+# (SPEC_AB_ARMS replaces the arms, SPEC_AB_ARGS the benchmark's arguments: bench/spec_ab.sh)
+# shellcheck disable=SC2086  # the arms split at spaces
 probe spec_ab_token_blocks bench/spec_ab.sh "$OUTDIR/spec_ab_token_blocks" "${SPEC_MODEL:-builtin://smollm2-135m}" 2 \
-  N O:PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 B:PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=8 S:PAGEDINFER_SHORT_EXTEND_MAX_SPLITS=4
+  ${SPEC_AB_ARMS:-N O:PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 B:PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=8 S:PAGEDINFER_SHORT_EXTEND_MAX_SPLITS=4}
 probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \
