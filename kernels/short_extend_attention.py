@@ -63,8 +63,17 @@ FUSED_MAX_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS"
 # blocks): 0 keeps every token of a sequence in one program. PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS
 # moves it (A/B).
 BLOCK_ROWS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS", "16"))
-# At most this many splits where the grid picks them (0: no cap), to tell apart in an A/B what
-# token blocks change: their rows or the grid they make. PAGEDINFER_SHORT_EXTEND_MAX_SPLITS (A/B).
+# Split-K from the grid: decode's rule (default_num_splits), except that a grid of at least
+# WIDE_GRID programs (token blocks counted) aims at SPLIT_WAVES waves of them, not decode's 4 for
+# grids under 64 (its programs take one row each; these up to 16). SmolLM2 at batch 8, K 4 / 6
+# (48 programs): 11 splits and the separate merge by decode's rule, 6 and the fused merge by
+# this one, a verifying pass 2-6% cheaper (H100, engine A/B of caps 2-8 against 11, bench/NOTES.md
+# session 33); batch 1 (3-6 programs) keeps decode's rule: a cap of 4 cost it ~1%.
+# PAGEDINFER_SHORT_EXTEND_SPLIT_WAVES=4 restores decode's rule there (A/B).
+WIDE_GRID = 32
+SPLIT_WAVES = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_SPLIT_WAVES", "2"))
+# At most this many splits where the grid picks them (0: no cap); an A/B switch,
+# PAGEDINFER_SHORT_EXTEND_MAX_SPLITS.
 SPLIT_CAP = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_MAX_SPLITS", "0"))
 # A/B switch for benchmarks: PAGEDINFER_SHORT_EXTEND=0 sends short chunks to the tiled kernel.
 SHORT_EXTEND_ENABLED = os.environ.get("PAGEDINFER_SHORT_EXTEND", "1") != "0"
@@ -280,9 +289,7 @@ def paged_short_extend_attention(
     busy_seqs = min(num_seqs, triton.cdiv(num_tokens, max(1, max_query_len)))
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
-        num_splits = default_num_splits(busy_seqs * token_blocks, num_kv_heads, max_context, query.device)
-        if SPLIT_CAP > 0:
-            num_splits = min(num_splits, SPLIT_CAP)
+        num_splits = grid_splits(busy_seqs * token_blocks * num_kv_heads, max_context, query.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
@@ -335,6 +342,21 @@ def paged_short_extend_attention(
     if merge in (SplitMerge.KERNEL, SplitMerge.PDL):
         reduce_splits(part_out, part_lse, out, use_pdl=use_pdl)
     return out
+
+
+def grid_splits(num_programs: int, max_context: int, device: torch.device) -> int:
+    """Splits of the context for a grid of num_programs (sequence or token block, KV head)
+    programs: decode's rule, at most SPLIT_WAVES waves from WIDE_GRID programs, at most
+    SPLIT_CAP (if set)."""
+    num_splits = default_num_splits(num_programs, 1, max_context, device)
+    if num_programs >= WIDE_GRID:
+        num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        )
+        num_splits = min(num_splits, max(1, triton.cdiv(SPLIT_WAVES * num_sms, num_programs)))
+    if SPLIT_CAP > 0:
+        num_splits = min(num_splits, SPLIT_CAP)
+    return num_splits
 
 
 def merge_for(merge: SplitMerge | None, num_splits: int, num_programs: int, device: torch.device):

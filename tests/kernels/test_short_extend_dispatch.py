@@ -4,6 +4,8 @@ Numerics of both are checked under the interpreter (test_triton_interpret.py) an
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -152,7 +154,7 @@ def test_grid_counts_the_sequences_the_tokens_fill_not_the_graph_pads(monkeypatc
     seen, launches = [], []
 
     def splits(num_seqs, num_kv_heads, max_context, device, *args):
-        seen.append(num_seqs)
+        seen.append(num_seqs * num_kv_heads)
         return 3
 
     monkeypatch.setattr(sea, "default_num_splits", splits)
@@ -171,7 +173,7 @@ def test_grid_counts_the_sequences_the_tokens_fill_not_the_graph_pads(monkeypatc
         max_query_len=q,
         block_rows=0,  # (token blocks would count as programs too)
     )
-    assert seen == [b] and len(launches) == 1
+    assert seen == [b * 2] and len(launches) == 1  # (sequence, KV head) programs
 
 
 @pytest.mark.parametrize("cap, splits", [(0, 11), (4, 4), (16, 11)])
@@ -185,3 +187,26 @@ def test_split_cap_bounds_the_grids_splits_only(monkeypatch, cap, splits):
     x = _inputs([5, 3])
     sea.paged_short_extend_attention(**x, max_query_len=5)
     assert kernel.calls[-1][2] == splits
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """A CUDA device of 132 SMs as far as the split rule asks."""
+    props = types.SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    "programs, waves, splits",
+    [
+        (48, 2, 6),  # SmolLM2 batch 8, K 4 / 6: 2 waves (decode's rule: 11)
+        (48, 4, 11),  # decode's rule restored (PAGEDINFER_SHORT_EXTEND_SPLIT_WAVES=4)
+        (24, 2, 22),  # batch 8, K 2: below WIDE_GRID, decode's rule
+        (6, 2, 32),  # batch 1: decode's rule (capped by the context: 2048 / 64)
+        (96, 2, 3),  # decode's own 2-wave rule from 64 programs
+    ],
+)
+def test_wide_grids_aim_at_fewer_waves(h100, monkeypatch, programs, waves, splits):
+    monkeypatch.setattr(sea, "SPLIT_WAVES", waves)
+    assert sea.grid_splits(programs, 2048, h100) == splits
