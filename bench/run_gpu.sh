@@ -178,13 +178,13 @@ probe spec_ngram_row_blocks_off env PAGEDINFER_GEMV_ROW_BLOCKS=0 "$PY" -P bench/
 probe spec_ngram_token_blocks_off env PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 "$PY" -P bench/speculative.py --device cuda \
   --out "$OUTDIR/spec_token_blocks_off" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" \
   --batches 1,8 --ks 2,4,6 --max-tokens 128 ${SPEC_BENCH_ARGS:-}
-# the K 4 token-block layouts interleaved (~4 min): the default (3 + 2 tokens, 16 padded rows
-# each), one packed 15-row program (blocks off), 2 + 2 + 1 tokens (8-row blocks), and the default
-# with at most 4 splits (8-row blocks' grid: the fused merge) to tell rows from grid; bench/spec_ab.sh
-# (SPEC_AB_ARMS replaces the arms, SPEC_AB_ARGS the benchmark's arguments: bench/spec_ab.sh)
+# the split rule of wide verification grids interleaved (~3 min; bench/spec_ab.sh): the default
+# (>= 32 programs: at most 8 splits, the fused merge), decode's rule (D: SmolLM2 batch 8 K 4 / 6 at
+# 11 splits and the separate merge) and at most 6 (S6); SPEC_AB_ARMS replaces the arms,
+# SPEC_AB_ARGS the benchmark's arguments
 # shellcheck disable=SC2086  # the arms split at spaces
-probe spec_ab_token_blocks bench/spec_ab.sh "$OUTDIR/spec_ab_token_blocks" "${SPEC_MODEL:-builtin://smollm2-135m}" 2 \
-  ${SPEC_AB_ARMS:-N O:PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 B:PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=8 S:PAGEDINFER_SHORT_EXTEND_MAX_SPLITS=4}
+probe spec_ab_splits bench/spec_ab.sh "$OUTDIR/spec_ab_splits" "${SPEC_MODEL:-builtin://smollm2-135m}" 2 \
+  ${SPEC_AB_ARMS:-N D:PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS=0 S6:PAGEDINFER_SHORT_EXTEND_MAX_SPLITS=6}
 probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \

@@ -64,14 +64,18 @@ FUSED_MAX_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS"
 # moves it (A/B).
 BLOCK_ROWS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS", "16"))
 # Split-K from the grid: decode's rule (default_num_splits), except that a grid of at least
-# WIDE_GRID programs (token blocks counted) aims at SPLIT_WAVES waves of them, not decode's 4 for
-# grids under 64 (its programs take one row each; these up to 16). SmolLM2 at batch 8, K 4 / 6
-# (48 programs): 11 splits and the separate merge by decode's rule, 6 and the fused merge by
-# this one, a verifying pass 2-6% cheaper (H100, engine A/B of caps 2-8 against 11, bench/NOTES.md
-# session 33); batch 1 (3-6 programs) keeps decode's rule: a cap of 4 cost it ~1%.
-# PAGEDINFER_SHORT_EXTEND_SPLIT_WAVES=4 restores decode's rule there (A/B).
+# WIDE_GRID programs (token blocks counted) takes at most WIDE_GRID_SPLITS splits, merged in the
+# kernel. Decode's rule aims at 4 waves under 64 programs (its programs take one row each; these up
+# to 16): SmolLM2 at batch 8, K 4 / 6 (48 programs) got 11 splits and the separate merge kernel,
+# where at most 8 made a verifying pass 3-5% cheaper (H100 engine A/B of caps 2-8, bench/NOTES.md
+# session 33). 8 rather than the 4-6 that measured alike there: splits hold whole 64-key tiles, so
+# up to 512 keys of context (and at 1,024) 8 splits leave as many of them working as 11 do (in
+# between, some 8-split programs take 2 tiles where 11 take 1); 6 splits measured 0.8-2.4 us
+# slower a call in isolation at 420 and 1,024 keys (bench/verify_attention.py). Batch 1 (3-16
+# programs) keeps decode's rule: a cap of 4 cost it ~1%.
+# PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS=0 restores decode's rule everywhere (A/B).
 WIDE_GRID = 32
-SPLIT_WAVES = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_SPLIT_WAVES", "2"))
+WIDE_GRID_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS", str(FUSED_MAX_SPLITS)))
 # At most this many splits where the grid picks them (0: no cap); an A/B switch,
 # PAGEDINFER_SHORT_EXTEND_MAX_SPLITS.
 SPLIT_CAP = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_MAX_SPLITS", "0"))
@@ -119,12 +123,12 @@ def tokens_per_program(max_query_len: int, group: int, block_rows: int | None = 
     BLOCK_ROWS; 0: off; meant as a power of two >= 16, tl.dot's least rows) as few equal blocks as
     keep each within that many rows of the padded layout (`padded_rows`): SmolLM2's 7 tokens x
     group 3 as 4 + 3 tokens, its 5 as 3 + 2, 16 rows each. Sized by the padded layout, blocks of
-    <= 16 rows never pack (wider ones may, where packing takes fewer rows: 5 tokens x 3 at 32). At
-    batch 8 K 4 one packed program of 5 x 3 = 15 rows cost ~3% of a verifying pass more than blocks
-    of 2 + 2 + 1 tokens; those also moved the grid to 4 splits and the fused merge, so packing
-    (which cost K 2 in session 27) is the likely cause, not a confirmed one, and the 3 + 2 form is
-    not yet measured (bench/NOTES.md sessions 27, 32). Each block reads the sequence's K/V again
-    (from L2 at these sizes)."""
+    <= 16 rows never pack (wider ones may, where packing takes fewer rows: 5 tokens x 3 at 32).
+    What blocks buy at batch 8 is the grid they make (48 programs: fewer splits, `grid_splits`),
+    not their rows: at K 4 under like splits, one packed 15-row program and 3 + 2 tokens (~10
+    splits) cost within 1.5% of each other, 3 + 2 and 2 + 2 + 1 tokens (4 splits) the same within
+    the runs' spread (H100 engine A/B, bench/NOTES.md session 33). Each block reads the
+    sequence's K/V again (from L2 at these sizes)."""
     block_rows = BLOCK_ROWS if block_rows is None else block_rows
     tokens = max(1, max_query_len)
     fit = block_rows // triton.next_power_of_2(group)
@@ -346,14 +350,11 @@ def paged_short_extend_attention(
 
 def grid_splits(num_programs: int, max_context: int, device: torch.device) -> int:
     """Splits of the context for a grid of num_programs (sequence or token block, KV head)
-    programs: decode's rule, at most SPLIT_WAVES waves from WIDE_GRID programs, at most
-    SPLIT_CAP (if set)."""
+    programs: decode's rule, at most WIDE_GRID_SPLITS from WIDE_GRID programs (0: no such cap),
+    at most SPLIT_CAP (if set)."""
     num_splits = default_num_splits(num_programs, 1, max_context, device)
-    if num_programs >= WIDE_GRID:
-        num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        )
-        num_splits = min(num_splits, max(1, triton.cdiv(SPLIT_WAVES * num_sms, num_programs)))
+    if num_programs >= WIDE_GRID and WIDE_GRID_SPLITS > 0:
+        num_splits = min(num_splits, WIDE_GRID_SPLITS)
     if SPLIT_CAP > 0:
         num_splits = min(num_splits, SPLIT_CAP)
     return num_splits

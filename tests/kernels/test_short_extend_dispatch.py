@@ -198,15 +198,15 @@ def h100(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "programs, waves, splits",
+    "programs, cap, splits",
     [
-        (48, 2, 6),  # SmolLM2 batch 8, K 4 / 6: 2 waves (decode's rule: 11)
-        (48, 4, 11),  # decode's rule restored (PAGEDINFER_SHORT_EXTEND_SPLIT_WAVES=4)
-        (24, 2, 22),  # batch 8, K 2: below WIDE_GRID, decode's rule
-        (6, 2, 32),  # batch 1: decode's rule (capped by the context: 2048 / 64)
-        (96, 2, 3),  # decode's own 2-wave rule from 64 programs
+        (48, 8, 8),  # SmolLM2 batch 8, K 4 / 6: at most 8 (decode's rule: 11, the separate merge)
+        (48, 0, 11),  # decode's rule restored (PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS=0)
+        (24, 8, 22),  # batch 8, K 2: below WIDE_GRID, decode's rule
+        (6, 8, 32),  # batch 1: decode's rule (capped by the context: 2048 / 64)
+        (96, 8, 3),  # decode's own 2-wave rule from 64 programs, under the cap
     ],
 )
-def test_wide_grids_aim_at_fewer_waves(h100, monkeypatch, programs, waves, splits):
-    monkeypatch.setattr(sea, "SPLIT_WAVES", waves)
+def test_wide_grids_take_at_most_the_fused_merges_splits(h100, monkeypatch, programs, cap, splits):
+    monkeypatch.setattr(sea, "WIDE_GRID_SPLITS", cap)
     assert sea.grid_splits(programs, 2048, h100) == splits
