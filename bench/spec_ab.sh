@@ -8,7 +8,7 @@
 # switches are read at import), n-gram workload; SPEC_AB_ARGS replaces the default
 # "--batches 1,8 --ks 2,4,6 --max-tokens 128 --rounds 3". Each run goes to OUTDIR/TAGn; the
 # script prints batch, K, the request ratio, the full-batch ratio and vstep of each, one line a run.
-# The A/B tables of bench/NOTES.md session 32 were run this way.
+# The A/B tables of bench/NOTES.md sessions 32 and 33 were run this way.
 set -uo pipefail
 OUTDIR=$(realpath -m "${1:?usage: bench/spec_ab.sh OUTDIR MODEL [REPEATS] ARM...}")
 MODEL=${2:?model (.gguf or builtin://smollm2-135m)}

@@ -64,18 +64,21 @@ FUSED_MAX_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_FUSED_MAX_SPLITS"
 # moves it (A/B).
 BLOCK_ROWS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS", "16"))
 # Split-K from the grid: decode's rule (default_num_splits), except that a grid of at least
-# WIDE_GRID programs (token blocks counted) takes at most WIDE_GRID_SPLITS splits, merged in the
-# kernel. Decode's rule aims at 4 waves under 64 programs (its programs take one row each; these up
-# to 16): SmolLM2 at batch 8, K 4 / 6 (48 programs) got 11 splits and the separate merge kernel,
-# where at most 8 made a verifying pass 3-5% cheaper (H100 engine A/B of caps 2-8, bench/NOTES.md
-# session 33). 8 rather than the 4-6 that measured alike there: splits hold whole 64-key tiles, so
-# up to 512 keys of context (and at 1,024) 8 splits leave as many of them working as 11 do (in
-# between, some 8-split programs take 2 tiles where 11 take 1); 6 splits measured 0.8-2.4 us
-# slower a call in isolation at 420 and 1,024 keys (bench/verify_attention.py). Batch 1 (3-16
-# programs) keeps decode's rule: a cap of 4 cost it ~1%.
+# WIDE_GRID programs (token blocks counted) takes at most WIDE_GRID_SPLITS splits (the fused merge's
+# most; the merge itself follows the sequences' grid, `merge_for`: in the kernel from 16). Decode's
+# rule aims at 4 waves under 64 programs (its programs take one token each): SmolLM2 at batch 8,
+# K 4 / 6 (48 programs) got 11 splits and the separate merge kernel, where at most 8 made a
+# verifying pass 3-5% cheaper (H100 engine A/B of caps 2-8, bench/NOTES.md session 33). 8 rather
+# than the 4-6 that measured alike there: splits hold whole 64-key tiles, so 8 splits leave as many
+# of them working, each as many tiles, as 11 do up to 512 keys and from 705 to 1,024 (at 513-704
+# and past 1,024 some 8-split programs take one tile more); 6 splits measured 0.8-2.4 us slower a
+# call in isolation at 420 and 1,024 keys (bench/verify_attention.py). SmolLM2 at batch 1 (3-6
+# programs) keeps decode's rule: a cap of 4 cost it ~1%. Not measured: the other grids of 32-63
+# programs (SmolLM2 at batch 6-7 and K 4-7, batch 11-21 and K <= 3; Llama-3-8B at batch 1 and
+# K >= 12, batch 2-3 and K >= 4; longer K at smaller batches).
 # PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS=0 restores decode's rule everywhere (A/B).
 WIDE_GRID = 32
-WIDE_GRID_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS", str(FUSED_MAX_SPLITS)))
+WIDE_GRID_SPLITS = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS", "8"))
 # At most this many splits where the grid picks them (0: no cap); an A/B switch,
 # PAGEDINFER_SHORT_EXTEND_MAX_SPLITS.
 SPLIT_CAP = int(os.environ.get("PAGEDINFER_SHORT_EXTEND_MAX_SPLITS", "0"))
@@ -125,9 +128,9 @@ def tokens_per_program(max_query_len: int, group: int, block_rows: int | None = 
     group 3 as 4 + 3 tokens, its 5 as 3 + 2, 16 rows each. Sized by the padded layout, blocks of
     <= 16 rows never pack (wider ones may, where packing takes fewer rows: 5 tokens x 3 at 32).
     What blocks buy at batch 8 is the grid they make (48 programs: fewer splits, `grid_splits`),
-    not their rows: at K 4 under like splits, one packed 15-row program and 3 + 2 tokens (~10
-    splits) cost within 1.5% of each other, 3 + 2 and 2 + 2 + 1 tokens (4 splits) the same within
-    the runs' spread (H100 engine A/B, bench/NOTES.md session 33). Each block reads the
+    not their rows: at K 4, one packed 15-row program (16 splits) and 3 + 2 tokens (11), both with
+    the separate merge, cost within 1.5% of each other; 3 + 2 and 2 + 2 + 1 tokens at 4 splits the
+    same within the runs' spread (H100 engine A/B, bench/NOTES.md session 33). Each block reads the
     sequence's K/V again (from L2 at these sizes)."""
     block_rows = BLOCK_ROWS if block_rows is None else block_rows
     tokens = max(1, max_query_len)
@@ -271,8 +274,8 @@ def paged_short_extend_attention(
 ) -> torch.Tensor:
     """query [T, H, D] -> out [T, H, D], every sequence bringing <= max_query_len new tokens
     (ops.paged_extend_attention checks it for CPU tensors only: on CUDA the rows past it are never
-    computed). num_splits None: from the grid, as for decode; merge None: decode's rule for the
-    same grid (decode_attention.default_merge), the separate merge above FUSED_MAX_SPLITS splits.
+    computed). num_splits None: from the grid (`grid_splits`); merge None: decode's rule for the
+    sequences' grid (decode_attention.default_merge), the separate merge above FUSED_MAX_SPLITS splits.
     block_rows: see tokens_per_program (None: BLOCK_ROWS)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]

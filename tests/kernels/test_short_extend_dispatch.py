@@ -201,6 +201,8 @@ def h100(monkeypatch):
     "programs, cap, splits",
     [
         (48, 8, 8),  # SmolLM2 batch 8, K 4 / 6: at most 8 (decode's rule: 11, the separate merge)
+        (32, 8, 8),  # WIDE_GRID: capped from here
+        (31, 8, 18),  # one program fewer: decode's rule
         (48, 0, 11),  # decode's rule restored (PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS=0)
         (24, 8, 22),  # batch 8, K 2: below WIDE_GRID, decode's rule
         (6, 8, 32),  # batch 1: decode's rule (capped by the context: 2048 / 64)
@@ -210,3 +212,41 @@ def h100(monkeypatch):
 def test_wide_grids_take_at_most_the_fused_merges_splits(h100, monkeypatch, programs, cap, splits):
     monkeypatch.setattr(sea, "WIDE_GRID_SPLITS", cap)
     assert sea.grid_splits(programs, 2048, h100) == splits
+
+
+def test_wide_grid_cap_defaults_to_the_fused_merges_most():
+    assert sea.WIDE_GRID_SPLITS == 8 == sea.FUSED_MAX_SPLITS and sea.WIDE_GRID == 32
+
+
+def test_grid_counts_token_blocks_as_programs(monkeypatch):
+    # SmolLM2's heads (9 over 3 KV heads) at q = 5: blocks of 3 + 2 tokens, so 4 sequences make
+    # 4 x 2 x 3 = 24 programs for the split rule (the merge still counts 4 x 3 sequence programs).
+    seen = []
+
+    def splits(num_programs, max_context, device):
+        seen.append(num_programs)
+        return 1
+
+    monkeypatch.setattr(sea, "grid_splits", splits)
+    monkeypatch.setattr(sea, "_short_extend_kernel", _Spy())
+    b, q = 4, 5
+    sea.paged_short_extend_attention(
+        torch.randn(b * q, 9, 64),
+        torch.randn(8, 16, 3, 64),
+        torch.randn(8, 16, 3, 64),
+        torch.zeros(b, 4, dtype=torch.int32),
+        torch.arange(0, b * q + 1, q, dtype=torch.int32),
+        torch.tensor([30] * b, dtype=torch.int32),
+        0.125,
+        max_query_len=q,
+    )
+    assert sea.tokens_per_program(q, 3) == 3 and seen == [b * 2 * 3]
+
+
+def test_split_cap_leaves_an_explicit_split_count(monkeypatch):
+    kernel = _Spy()
+    monkeypatch.setattr(sea, "SPLIT_CAP", 4)
+    monkeypatch.setattr(sea, "_short_extend_kernel", kernel)
+    monkeypatch.setattr(sea, "reduce_splits", lambda *args, **kwargs: None)
+    sea.paged_short_extend_attention(**_inputs([5, 3]), max_query_len=5, num_splits=11)
+    assert kernel.calls[-1][2] == 11
