@@ -185,6 +185,10 @@ probe spec_ngram_token_blocks_off env PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 "$PY"
 # shellcheck disable=SC2086  # the arms split at spaces
 probe spec_ab_splits bench/spec_ab.sh "$OUTDIR/spec_ab_splits" "${SPEC_MODEL:-builtin://smollm2-135m}" 2 \
   ${SPEC_AB_ARMS:-N D:PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS=0 S6:PAGEDINFER_SHORT_EXTEND_MAX_SPLITS=6}
+# n-gram match keys interleaved (~2 min): folded (F, the default: a leading space and letter case
+# ignored) against exact ids (E)
+probe spec_ab_match bench/spec_ab.sh "$OUTDIR/spec_ab_match" "${SPEC_MODEL:-builtin://smollm2-135m}" 2 \
+  F E:PAGEDINFER_BENCH_NGRAM_MATCH=exact
 probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -426,6 +427,13 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="> 0: every request samples at it, seeded (0: greedy)",
+    )
+    parser.add_argument(
+        "--ngram-match",
+        choices=("folded", "exact"),
+        # (the environment's default lets bench/spec_ab.sh arms switch it)
+        default=os.environ.get("PAGEDINFER_BENCH_NGRAM_MATCH", SpeculativeConfig.ngram_match),
+        help="n-gram: match tokens up to a leading space and letter case (folded), or exact ids",
     )
     parser.add_argument(
         "--device-chain-steps",

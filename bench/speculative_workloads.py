@@ -72,6 +72,7 @@ def smollm2_workload(args, ks: list[int], method: str) -> Workload:
                 num_speculative_tokens=k,
                 ngram_min=1,
                 ngram_max=3,
+                ngram_match=args.ngram_match,
                 device_chain=args.device_chain == "on",
                 device_chain_steps=args.device_chain_steps,
                 **_policy(args),
@@ -91,6 +92,7 @@ def smollm2_workload(args, ks: list[int], method: str) -> Workload:
         "model": args.model,
         "draft": args.draft if method == "draft" else None,
         "task": "rewrite with a replacement / fix typos, 4 texts; answers end at EOS",
+        "ngram_match": args.ngram_match if method == "ngram" else None,
     }
     return Workload(
         method if method == "ngram" else "selfdraft",

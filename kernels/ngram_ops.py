@@ -96,6 +96,7 @@ def accept_and_propose(
     context_window: int = 0,
     max_ties: int = 32,
     search: bool = True,
+    match_keys: torch.Tensor | None = None,
 ) -> AcceptProposeOutput:
     """Greedy acceptance of step N's drafts, then step N + 1's n-gram drafts, on the device.
 
@@ -108,7 +109,8 @@ def accept_and_propose(
     Returns AcceptProposeOutput(num_emitted [B] int64, emitted [B, K + 1] int64 0-padded,
     next_drafts [B, num_next] int64, has_match [B] bool). No host synchronization.
     search False: acceptance only, no match looked for (next drafts: the last emitted token), for a
-    chain whose next drafts come from a draft model.
+    chain whose next drafts come from a draft model. match_keys [V] int32 (optional, on the same
+    device): each token id's key (engine.spec_decode.ngram_keys), matched in place of the id.
     """
     check_accept_and_propose(
         argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next
@@ -117,12 +119,17 @@ def accept_and_propose(
         _fail(
             f"need context_window >= 0 and 1 <= max_ties <= {MAX_TIES_LIMIT}, got {context_window}, {max_ties}"
         )
+    if match_keys is not None:
+        _check_tensor("match_keys", match_keys, 1, torch.int32)
+        if match_keys.shape[0] == 0 or match_keys.device != argmax.device:
+            _fail("match_keys must be a non-empty [V] table on argmax's device")
     args = (argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next)
+    rank = {"search": search, "match_keys": match_keys}
     if select_backend(argmax.device, backend) == "triton":
         from pagedinfer.kernels import ngram_propose
 
-        return ngram_propose.accept_and_propose(*args, context_window, max_ties, search=search)
-    return ngram_reference.accept_and_propose(*args, context_window, max_ties, search=search)
+        return ngram_propose.accept_and_propose(*args, context_window, max_ties, **rank)
+    return ngram_reference.accept_and_propose(*args, context_window, max_ties, **rank)
 
 
 def launch_packed(*args, **kwargs) -> torch.Tensor:

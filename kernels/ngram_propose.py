@@ -7,7 +7,9 @@ in tiles of BLOCK candidate ends, and the next drafts. Same results as ngram_ref
 The program never reads back the history it wrote: a token at position p of the updated history
 comes from the history row when p < the old length and from the argmax rows otherwise
 (`_token_at`), so no barrier is needed between the history write and the search. The one
-read-back is the tie ranking's scratch row, after a barrier (`_rank_ties`).
+read-back is the tie ranking's scratch row, after a barrier (`_rank_ties`). With a key table
+(KEYED) every token the search and the ranking compare is looked up as its key (`_key_of`, one
+gather from a table that stays in L2); the drafts are the tokens themselves.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def _token_at(hist_row, emit_row, pos, old_len, new_len, emit_max, mask):
     return tl.where(is_old, old, new.to(tl.int32))
 
 
+@triton.jit
+def _key_of(tok, keys_ptr, num_keys, KEYED: tl.constexpr):
+    """What the search compares for tok: its key (id clamped into the table), or tok itself."""
+    if KEYED:
+        return tl.load(keys_ptr + tl.minimum(tl.maximum(tok, 0), num_keys - 1))
+    return tok
+
+
 # ... as the kernels see them (globals a Triton kernel reads must be constexpr)
 _NUM_SLOTS = tl.constexpr(COL_NUM_SLOTS)
 _NUM_DRAFTS = tl.constexpr(COL_NUM_DRAFTS)
@@ -64,6 +74,7 @@ _FIXED = tl.constexpr(PACKED_FIXED)
         "hist_cap",
         "ngram_min",
         "num_next",
+        "num_keys",
     ]
 )
 def _accept_propose_kernel(
@@ -75,6 +86,7 @@ def _accept_propose_kernel(
     hist_len_ptr,  # [B] int32, in/out
     out_ptr,  # [B, _FIXED + K + 1 + N] int64
     ties_ptr,  # [B, TIES] int32 scratch: the ends of the latest max_ties ties (CTX > 0)
+    keys_ptr,  # [num_keys] int32: each id's key (KEYED)
     stride_drafts,
     stride_num_drafts,
     drafts_scale,
@@ -86,6 +98,7 @@ def _accept_propose_kernel(
     num_next,
     window,  # context tokens compared when ranking equally long matches (CTX > 0)
     max_ties,  # the latest this many equally long matches are ranked
+    num_keys,
     max_drafts: tl.constexpr,  # K
     NGRAM_MAX: tl.constexpr,
     CTX: tl.constexpr,  # 0: no ranking (the latest); else a power of two >= window
@@ -95,6 +108,7 @@ def _accept_propose_kernel(
     TIES: tl.constexpr,  # power of two >= max_ties (CTX > 0)
     DENSE_ROWS: tl.constexpr,  # every group has K + 1 rows (a chained step): first row b (K + 1)
     SEARCH: tl.constexpr,  # False: acceptance only (drafts made elsewhere; next drafts = filler)
+    KEYED: tl.constexpr,  # match keys_ptr[token] in place of the tokens
 ):
     seq = tl.program_id(0).to(tl.int64)
     out_row = out_ptr + seq * stride_out
@@ -141,7 +155,19 @@ def _accept_propose_kernel(
         lane_count = tl.zeros([BLOCK], tl.int32)
         for start in range(0, last, BLOCK):
             ends = start + lanes
-            match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
+            match_len = _match_lengths(
+                hist_row,
+                emit_row,
+                ends,
+                last,
+                old_len,
+                new_len,
+                emit_max,
+                keys_ptr,
+                num_keys,
+                NGRAM_MAX,
+                KEYED,
+            )
             is_match = match_len >= ngram_min
             key = tl.where(is_match, match_len.to(tl.int64) * hist_cap + ends, -1)
             best = tl.maximum(best, key)
@@ -171,10 +197,13 @@ def _accept_propose_kernel(
                     ngram_min,
                     window,
                     max_ties,
+                    keys_ptr,
+                    num_keys,
                     NGRAM_MAX,
                     BLOCK,
                     CTX,
                     TIES,
+                    KEYED,
                 )
 
     # Next drafts: what followed the match, periodic with period n - 1 - j; no match: the last
@@ -194,16 +223,30 @@ def _accept_propose_kernel(
 
 
 @triton.jit
-def _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX: tl.constexpr):
+def _match_lengths(
+    hist_row,
+    emit_row,
+    ends,
+    last,
+    old_len,
+    new_len,
+    emit_max,
+    keys_ptr,
+    num_keys,
+    NGRAM_MAX: tl.constexpr,
+    KEYED: tl.constexpr,
+):
     """[BLOCK] int32: how many of the suffix's last tokens (up to NGRAM_MAX) end at each candidate
-    end j < last. All NGRAM_MAX loads are independent (masked by bounds only), so they issue
-    together; the run of equal tokens is cut afterwards."""
+    end j < last (keys compared where KEYED). All NGRAM_MAX loads are independent (masked by
+    bounds only), so they issue together; the run of equal tokens is cut afterwards."""
     run = ends < last
     match_len = tl.zeros(ends.shape, tl.int32)
     for t in tl.static_range(NGRAM_MAX):
         suffix_t = _token_at(hist_row, emit_row, last - t, old_len, new_len, emit_max, last - t >= 0)
+        suffix_t = _key_of(suffix_t, keys_ptr, num_keys, KEYED)
         src = ends - t
         tok = _token_at(hist_row, emit_row, src, old_len, new_len, emit_max, (ends < last) & (src >= 0))
+        tok = _key_of(tok, keys_ptr, num_keys, KEYED)
         run = run & (src >= 0) & (tok == suffix_t)
         match_len += run.to(tl.int32)
     return match_len
@@ -223,10 +266,13 @@ def _rank_ties(
     ngram_min,
     window,
     max_ties,
+    keys_ptr,
+    num_keys,
     NGRAM_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
     CTX: tl.constexpr,
     TIES: tl.constexpr,
+    KEYED: tl.constexpr,
 ):
     """The key (length * L + end) of the match find_ngram_draft chooses among the longest: of the
     latest max_ties ends with the best length, the most of the `window` tokens before the match
@@ -244,7 +290,9 @@ def _rank_ties(
     while (i < num_tiles) & (ties_later < max_ties):
         start = (num_tiles - 1 - i) * BLOCK
         ends = start + lanes
-        match_len = _match_lengths(hist_row, emit_row, ends, last, old_len, new_len, emit_max, NGRAM_MAX)
+        match_len = _match_lengths(
+            hist_row, emit_row, ends, last, old_len, new_len, emit_max, keys_ptr, num_keys, NGRAM_MAX, KEYED
+        )
         is_tie = tl.where(best_len >= ngram_min, match_len == best_len, False)
         tie = is_tie.to(tl.int32)
         # ties at this end or later: the later tiles', then this tile's from here to its end
@@ -262,12 +310,14 @@ def _rank_ties(
     # (wheres, not `scalar & vector`: the interpreter turns that into an int32 mask)
     b_ok = tl.where(best_len >= 0, (ctx < window) & (b_pos >= 0), False)
     b_tok = _token_at(hist_row, emit_row, b_pos, old_len, new_len, emit_max, b_ok)
-    b_tok = tl.where(b_ok, b_tok, -1)  # -1: no token
+    b_tok = tl.where(b_ok, _key_of(b_tok, keys_ptr, num_keys, KEYED), -1)  # -1: no token
     overlap = tl.zeros([TIES], tl.int64)
     for w in tl.static_range(CTX):
         a_pos = tie_end - best_len - w
         a_ok = tl.where(w < window, is_slot & (a_pos >= 0), False)
-        a_tok = _token_at(hist_row, emit_row, a_pos, old_len, new_len, emit_max, a_ok)
+        a_tok = _key_of(
+            _token_at(hist_row, emit_row, a_pos, old_len, new_len, emit_max, a_ok), keys_ptr, num_keys, KEYED
+        )
         seen = tl.max((a_tok[:, None] == b_tok[None, :]).to(tl.int32), axis=1)
         overlap += tl.where(a_ok, seen, 0).to(tl.int64)
     ranked_key = tl.max(tl.where(is_slot, overlap * hist_cap + tie_end, -1), axis=0)
@@ -289,6 +339,7 @@ def accept_and_propose(
     block: int = BLOCK,
     search: bool = True,
     num_warps: int = NUM_WARPS,
+    match_keys: torch.Tensor | None = None,
 ) -> AcceptProposeOutput:
     """Shapes and dtypes as ngram_reference.accept_and_propose (checked by ngram_ops); `block`
     (a power of two) sets the candidate ends per tile. Views of one packed output."""
@@ -309,6 +360,7 @@ def accept_and_propose(
         max_ties=max_ties,
         search=search,
         num_warps=num_warps,
+        match_keys=match_keys,
     )
     return unpack(packed, max_drafts)
 
@@ -341,12 +393,14 @@ def launch_packed(
     max_ties: int = 32,
     search: bool = True,
     num_warps: int = NUM_WARPS,
+    match_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel with every output in one [B, PACKED_FIXED + K + 1 + num_next] int64 tensor
     (columns COL_*, then emitted, then next drafts): one host copy a step, no packing ops.
 
     A chained step passes the previous step's packed output: its next-drafts columns as `drafts`,
-    its has-match column as `num_drafts` with drafts_scale K (no match: filler, not verified)."""
+    its has-match column as `num_drafts` with drafts_scale K (no match: filler, not verified).
+    match_keys [V] int32 (optional): each id's key, what the search compares."""
     num_seqs, max_drafts = drafts.shape
     width = PACKED_FIXED + max_drafts + 1 + num_next
     if out is None:
@@ -369,6 +423,7 @@ def launch_packed(
         history_len,
         out,
         scratch,
+        out if match_keys is None else match_keys,
         drafts.stride(0),
         num_drafts.stride(0),
         drafts_scale,
@@ -380,6 +435,7 @@ def launch_packed(
         num_next,
         context_window,
         max_ties,
+        1 if match_keys is None else match_keys.shape[0],
         max_drafts=max_drafts,
         NGRAM_MAX=ngram_max,
         CTX=ctx,
@@ -389,6 +445,7 @@ def launch_packed(
         TIES=ties,
         DENSE_ROWS=dense,
         SEARCH=search,
+        KEYED=match_keys is not None,
         num_warps=num_warps,
     )
     return out

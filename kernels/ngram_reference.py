@@ -6,7 +6,9 @@ the target's argmax, the emitted tokens appended to each sequence's history, the
 draft of step N + 1 from the updated history with the rule of
 engine.spec_decode.ngram.find_ngram_draft(context_window=0): the longest match of a suffix of
 length m in [ngram_min, ngram_max] ending at an earlier position j < n - 1, among those the
-latest, and the tokens after it extended periodically (period n - 1 - j).
+latest, and the tokens after it extended periodically (period n - 1 - j). With `match_keys` (a
+[V] table, engine.spec_decode.ngram_keys) the tokens' keys are matched and ranked in their place;
+the drafts are still the tokens after the match.
 
 Vectorized over sequences and history positions ([B, L] work per n-gram offset; on the CPU only
 up to the longest sequence), no `.item()` off the CPU, no boolean indexing: nothing synchronizes
@@ -50,12 +52,14 @@ def accept_and_propose(
     context_window: int = 0,
     max_ties: int = 32,
     search: bool = True,
+    match_keys: torch.Tensor | None = None,
 ) -> AcceptProposeOutput:
     """argmax [R] int64, first_rows [B] int64, drafts [B, K] int64, num_drafts [B] int64,
     history [B, L] int32 and history_len [B] int32 (both updated in place). See the module doc.
     context_window > 0: equally long matches are ranked as find_ngram_draft ranks them (of the
     latest `max_ties`, the most context overlap, then the latest). search False: acceptance only
-    (no match: the next drafts are the filler), for drafts made elsewhere."""
+    (no match: the next drafts are the filler), for drafts made elsewhere. match_keys [V] int32
+    (optional): each id's key, matched in place of the id (ids outside [0, V) clamped)."""
     num_accepted, target = _accept(argmax, first_rows, drafts, num_drafts)
     steps = torch.arange(target.shape[1], device=target.device)  # [K + 1]
     emitted = torch.where(steps <= num_accepted[:, None], target, 0)  # [B, K + 1]
@@ -63,7 +67,7 @@ def accept_and_propose(
     fill = target.gather(1, num_accepted[:, None])  # [B, 1] the last emitted token
     if search:
         next_drafts, has_match = _propose(
-            history, new_len, ngram_min, ngram_max, num_next, fill, context_window, max_ties
+            history, new_len, ngram_min, ngram_max, num_next, fill, context_window, max_ties, match_keys
         )
     else:
         next_drafts, has_match = (
@@ -117,12 +121,13 @@ def _propose(
     fill: torch.Tensor,
     context_window: int = 0,
     max_ties: int = 32,
+    match_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, L], num_tokens [B] int64 (n), fill [B, 1] int64 -> next_drafts [B, num_next]
     int64, has_match [B] bool."""
     hist_cap = tokens.shape[1]
     last = num_tokens - 1  # [B] the suffix ends here
-    end = _match_end(tokens, last, ngram_min, ngram_max, context_window, max_ties)  # [B]
+    end = _match_end(tokens, last, ngram_min, ngram_max, context_window, max_ties, match_keys)  # [B]
     has_match = end >= 0
     end = end.clamp(min=0)
     period = (last - end).clamp(min=1)  # [B] what follows the match repeats with this period
@@ -147,15 +152,19 @@ def _match_end(
     ngram_max: int,
     context_window: int = 0,
     max_ties: int = 32,
+    match_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B] int64: where the longest, then (context_window > 0: of the latest max_ties, the most
-    context overlap, then) latest match of the suffix ending at last ends; -1: none."""
+    context overlap, then) latest match of the suffix ending at last ends; -1: none. Matched on
+    match_keys[token] where given."""
     num_seqs, hist_cap = tokens.shape
     device = tokens.device
     offsets = torch.arange(ngram_max, device=device)  # [M]
     suffix = tokens.gather(1, (last[:, None] - offsets).clamp(0, hist_cap - 1))  # [B, M]
     width = _search_width(tokens, last)
     tokens = tokens[:, :width]
+    if match_keys is not None:
+        suffix, tokens = _keys_of(suffix, match_keys), _keys_of(tokens, match_keys)
     cols = torch.arange(width, device=device)  # [W]
     # run[b, j]: tokens j - t .. j equal the suffix's last t + 1 tokens, for t = 0 .. ngram_max - 1;
     # match_len counts the steps the run survives (so it is capped at ngram_max). Ends j < n - 1
@@ -172,6 +181,11 @@ def _match_end(
     if context_window > 0:
         best = _rank_ties(tokens, last, match_len, best, width, context_window, max_ties)
     return torch.where(best >= 0, best % width, -1)
+
+
+def _keys_of(tokens: torch.Tensor, match_keys: torch.Tensor) -> torch.Tensor:
+    """match_keys[tokens] (ids clamped into the table: garbage reads no memory outside it)."""
+    return match_keys[tokens.long().clamp(0, match_keys.shape[0] - 1)]
 
 
 def _rank_ties(

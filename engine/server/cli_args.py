@@ -52,6 +52,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     )
     eng.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens)
     eng.add_argument(
+        "--speculative-ngram-match",
+        choices=["folded", "exact"],
+        default=SpeculativeConfig.ngram_match,
+        help="ngram: match tokens up to a leading space and letter case ('The' finds ' the'; the "
+        "drafts stay the tokens that followed), or exact ids",
+    )
+    eng.add_argument(
         "--speculative-device-chain",
         action=argparse.BooleanOptionalAction,
         default=SpeculativeConfig.device_chain,
@@ -155,6 +162,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.speculative_model,
+        ngram_match=args.speculative_ngram_match,
         device_chain=args.speculative_device_chain,
         device_chain_steps=args.speculative_device_chain_steps,
         device_drafts=args.speculative_device_drafts,

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedinfer.engine.spec_decode.ngram import CONTEXT_WINDOW, MAX_RANKED_TIES
@@ -82,7 +83,9 @@ class DeviceNgramChain:
         device: torch.device,
         backend: str | None = None,
         search: bool = True,
+        match_keys: np.ndarray | None = None,
     ) -> None:
+        """match_keys [V] (engine.spec_decode.ngram_keys): what the prompt lookup matches per id."""
         self.max_seqs = max_seqs
         # False (a draft model's chain): the accept kernel skips the prompt lookup, whose drafts
         # `with_drafts` would replace anyway.
@@ -91,6 +94,9 @@ class DeviceNgramChain:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.device = device
         self.triton = ngram_ops.select_backend(device, backend) == "triton"
+        self.match_keys = (
+            None if match_keys is None else torch.as_tensor(match_keys, dtype=torch.int32).to(device)
+        )
         # One extra column: a step appends up to K + 1 tokens to a history of < max_model_len.
         width = max_model_len + num_speculative_tokens + 1
         self.history = torch.zeros((max_seqs, width), dtype=torch.int32, device=device)
@@ -155,7 +161,12 @@ class DeviceNgramChain:
         history, history_len = self.history[:num_seqs], self.history_len[:num_seqs]
         ngram = (self.ngram_min, self.ngram_max, k)
         # ranked as the host proposer ranks
-        rank = {"context_window": CONTEXT_WINDOW, "max_ties": MAX_RANKED_TIES, "search": self.search}
+        rank = {
+            "context_window": CONTEXT_WINDOW,
+            "max_ties": MAX_RANKED_TIES,
+            "search": self.search,
+            "match_keys": self.match_keys,
+        }
         if fed is not None:  # its next drafts, verified where they came from a match
             next_col = PACKED_FIXED + fed.k_step + 1
             drafts_dev, has_match = fed.packed[:, next_col:], fed.packed[:, COL_HAS_MATCH]
@@ -177,7 +188,7 @@ class DeviceNgramChain:
                     rows = torch.arange(num_seqs, device=argmax.device) * (k + 1)
                     slots = torch.full((num_seqs,), k, dtype=torch.int64, device=argmax.device)
                 packed = _reference_packed(
-                    argmax, rows, drafts_dev, has_match * k, slots, history, history_len, ngram, self.search
+                    argmax, rows, drafts_dev, has_match * k, slots, history, history_len, ngram, **rank
                 )
         else:
             size = num_seqs * (2 + k)
@@ -200,7 +211,7 @@ class DeviceNgramChain:
                 )
             else:
                 packed = _reference_packed(
-                    argmax, rows, drafts_dev, counts, counts, history, history_len, ngram, self.search
+                    argmax, rows, drafts_dev, counts, counts, history, history_len, ngram, **rank
                 )
         step = ChainStep(packed, k, packed, None)
         if copy:
@@ -300,20 +311,11 @@ class _Staging:
 
 
 def _reference_packed(
-    argmax, rows, drafts, num_drafts, num_slots, history, history_len, ngram, search
+    argmax, rows, drafts, num_drafts, num_slots, history, history_len, ngram, **rank
 ) -> torch.Tensor:
-    """The torch path's result in the Triton kernel's packed layout."""
+    """The torch path's result in the Triton kernel's packed layout (rank: launch_packed's)."""
     out = ngram_reference.accept_and_propose(
-        argmax,
-        rows,
-        drafts,
-        num_drafts,
-        history,
-        history_len,
-        *ngram,
-        CONTEXT_WINDOW,
-        MAX_RANKED_TIES,
-        search,
+        argmax, rows, drafts, num_drafts, history, history_len, *ngram, **rank
     )
     return torch.cat(
         [

@@ -19,6 +19,7 @@ from pagedinfer.engine.spec_decode.draft_model import (
     check_same_vocabulary,
 )
 from pagedinfer.engine.spec_decode.ngram import NgramProposer
+from pagedinfer.engine.spec_decode.ngram_keys import match_keys
 from pagedinfer.engine.spec_decode.proposer import Proposer
 from pagedinfer.engine.spec_decode.self_draft import SELF_PREFIX, LayerSubsetDraft, parse_layer_ids
 
@@ -76,8 +77,12 @@ def build_speculative_decoder(
     _check_method(config)
     if config.method is None:
         return None
+    keys = None  # the prompt lookup's match keys (n-gram only: a draft model's chain searches not)
     if config.method == "ngram":
-        proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
+        keys = match_keys(config.ngram_match, target_tokenizer, int(target_model.config.vocab_size))
+        proposer: Proposer = NgramProposer(
+            config.ngram_min, config.ngram_max, config.num_speculative_tokens, match_keys=keys
+        )
     else:
         draft = draft_model or load_draft_model(config, target_model, target_tokenizer)
         proposer = _draft_proposer(
@@ -96,6 +101,7 @@ def build_speculative_decoder(
             torch.device(target_model.device),
             attention_backend,
             search=config.method == "ngram",
+            match_keys=keys,
         )
     return SpeculativeDecoder(config, proposer, max_model_len, device_chain=chain)
 

@@ -8,6 +8,10 @@ last token matches, and it occurs in many places; the right one is where the tex
 came from, whose context still resembles the recent output (the latest occurrence alone chose
 worse: bench/NOTES.md, n-gram on CPU).
 
+With match keys (ngram_keys.py, the engine's default "folded"), what is matched and ranked is
+each token's key, one per spelling of a word up to a leading space and letter case; the draft is
+still the tokens that followed the match.
+
 Matching is vectorized with numpy over the candidate positions: candidates are the earlier
 occurrences of the last token, extended backwards one token at a time (at most ngram_max
 rounds), so one sequence costs O(num_tokens + num_candidates * ngram_max). The proposer runs
@@ -51,6 +55,7 @@ def find_ngram_draft(
     ngram_max: int,
     max_draft: int,
     context_window: int = CONTEXT_WINDOW,
+    keys: np.ndarray | None = None,
 ) -> np.ndarray:
     """Up to `max_draft` tokens following the longest earlier match of a suffix.
 
@@ -60,10 +65,13 @@ def find_ngram_draft(
     Equally long matches: of the latest MAX_RANKED_TIES, the one with the most context overlap
     between the windows ending just before the match and just before the suffix, then the latest
     (context_window 0: the latest).
+    keys [L] (optional): what is matched and ranked in place of the tokens (ngram_keys: one key
+    per spelling of a word); the draft is still the tokens that follow the match.
     """
     num_tokens = int(tokens.shape[0])
     if num_tokens < ngram_min + 1 or max_draft <= 0:
         return tokens[:0]
+    drafted, tokens = tokens, (tokens if keys is None else keys)
     last = num_tokens - 1
     ends = np.flatnonzero(tokens[:last] == tokens[last])  # [C] candidate ends
     if ends.size == 0:
@@ -89,8 +97,8 @@ def find_ngram_draft(
     # What followed the match runs up to the end of the sequence; past it the draft repeats
     # with period L - 1 - end, since the suffix itself is what repeats (e.g. "5 5 5" -> "5 5").
     if last - end >= max_draft:
-        return tokens[end + 1 : end + 1 + max_draft]
-    return np.resize(tokens[end + 1 :], max_draft)
+        return drafted[end + 1 : end + 1 + max_draft]
+    return np.resize(drafted[end + 1 :], max_draft)
 
 
 _MAX_STEPS = 16
@@ -161,6 +169,7 @@ def find_ngram_drafts(
     ngram_max: int,
     max_drafts: np.ndarray,
     context_window: int = CONTEXT_WINDOW,
+    flat_keys: np.ndarray | None = None,
 ) -> list[list[int]]:
     """`find_ngram_draft` for B sequences at once, concatenated in `flat`.
 
@@ -168,11 +177,13 @@ def find_ngram_drafts(
     max_drafts [B] int. Same result per sequence as `find_ngram_draft`, in a fixed number of
     numpy calls: candidates (earlier occurrences of each sequence's last token) of all sequences
     are matched backwards together, then each sequence keeps its longest, then (among the latest
-    MAX_RANKED_TIES of those) most similar in context, then latest match.
+    MAX_RANKED_TIES of those) most similar in context, then latest match. flat_keys [T]
+    (optional): matched in place of flat, as find_ngram_draft's keys.
     """
     num_seqs = int(lengths.shape[0])
     if flat.shape[0] == 0:
         return [[] for _ in range(num_seqs)]
+    drafted, flat = flat, (flat if flat_keys is None else flat_keys)
     ends = starts + lengths  # [B] one past each sequence's last token
     ok = (lengths >= ngram_min + 1) & (max_drafts > 0)  # [B]
     last = flat[ends - 1]  # [B] (lengths >= 1 where ok; masked below otherwise)
@@ -220,7 +231,7 @@ def find_ngram_drafts(
     width = int(max_drafts[rows].max())
     period = ends[rows] - 1 - end[rows]  # [R] >= 1: what follows the match, repeated
     steps = np.arange(width)  # [W]
-    drafts = flat[end[rows, None] + 1 + steps[None, :] % period[:, None]]  # [R, W]
+    drafts = drafted[end[rows, None] + 1 + steps[None, :] % period[:, None]]  # [R, W]
     for r, k, row in zip(rows.tolist(), max_drafts[rows].tolist(), drafts.tolist(), strict=True):
         out[r] = row[:k]
     return out
@@ -281,7 +292,9 @@ class NgramProposer:
         ngram_max: int,
         num_speculative_tokens: int,
         context_window: int = CONTEXT_WINDOW,
+        match_keys: np.ndarray | None = None,
     ) -> None:
+        """match_keys [V] int (ngram_keys): each token id's key, what is matched; None: the ids."""
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         if num_speculative_tokens < 1:
@@ -292,7 +305,12 @@ class NgramProposer:
         self.ngram_max = ngram_max
         self.num_speculative_tokens = num_speculative_tokens
         self.context_window = context_window
+        self.match_keys = match_keys
         self._cache = _TokenCache()
+
+    def _keys(self, tokens: np.ndarray) -> np.ndarray | None:
+        """The keys of tokens (one gather; clipped: any id maps to some key), None: exact ids."""
+        return None if self.match_keys is None else np.take(self.match_keys, tokens, mode="clip")
 
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         if not requests:
@@ -303,7 +321,12 @@ class NgramProposer:
             return DraftProposals(
                 token_ids=[
                     find_ngram_draft(
-                        a, self.ngram_min, self.ngram_max, min(r.max_draft_tokens, k), self.context_window
+                        a,
+                        self.ngram_min,
+                        self.ngram_max,
+                        min(r.max_draft_tokens, k),
+                        self.context_window,
+                        self._keys(a),
                     ).tolist()
                     for a, r in zip(arrays, requests, strict=True)
                 ],
@@ -314,7 +337,14 @@ class NgramProposer:
         max_drafts = np.fromiter((min(r.max_draft_tokens, k) for r in requests), np.int64, len(requests))
         flat = np.concatenate(arrays)  # [T] int32
         drafts = find_ngram_drafts(
-            flat, starts, lengths, self.ngram_min, self.ngram_max, max_drafts, self.context_window
+            flat,
+            starts,
+            lengths,
+            self.ngram_min,
+            self.ngram_max,
+            max_drafts,
+            self.context_window,
+            self._keys(flat),
         )
         return DraftProposals(token_ids=drafts, probs=None)
 
@@ -326,7 +356,9 @@ class NgramProposer:
         if not stop_ids or horizon < 1:
             return None
         tokens = self._cache.tokens(DraftRequest(row, 1))
-        ahead = find_ngram_draft(tokens, self.ngram_min, self.ngram_max, horizon, self.context_window)
+        ahead = find_ngram_draft(
+            tokens, self.ngram_min, self.ngram_max, horizon, self.context_window, self._keys(tokens)
+        )
         # A set lookup per token (Python ints: any stop id compares, whatever its size): over a
         # horizon of tens of tokens 0.8 us, where np.isin took 8.6 us of a ~20 us call (CPU).
         for i, token in enumerate(ahead.tolist()):
