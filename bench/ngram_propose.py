@@ -6,7 +6,8 @@ Two kinds of histories:
   drafts per sequence of which a random prefix is accepted;
 - `copy`: the engine's batch-1 case: word ids of bench/editing_tasks.py's texts, each text twice
   (so the longest match has a tie to rank), 420 or 1,500 tokens, K = 4, n-gram 1-4.
-Each with the tie ranking off (context 0) and on (the engine's CONTEXT_WINDOW).
+Each with the tie ranking off (context 0) and on (the engine's CONTEXT_WINDOW), and on with a
+match-key table (the engine's folded keys: one table gather per compared token).
 
 On the CPU: the torch version (wall clock, median of --reps calls). On CUDA: the Triton kernel in
 a CUDA graph of 20 calls, each after a reset of the history lengths, less a graph of the resets
@@ -15,7 +16,7 @@ alone (device time; an eager launch's host cost would hide it).
     python bench/ngram_propose.py --device cpu --out bench/results [--reps 20] [--threads N]
     python bench/ngram_propose.py --tile-sweep --out OUT   (CUDA: the kernel per tile and warps)
 
-Writes ngram_propose_<device>.json: one row per (history, B, L, context) with the median
+Writes ngram_propose_<device>.json: one row per (history, B, L, context, keys) with the median
 microseconds.
 """
 
@@ -41,6 +42,7 @@ COPY_SHAPES = [(1, 420), (1, 1500), (8, 420)]
 MAX_DRAFTS, NGRAM_MIN, NGRAM_MAX, NUM_NEXT, VOCAB = 8, 1, 8, 8, 64
 COPY_K, COPY_NGRAM_MAX, COPY_CAP = 4, 4, 2048 + 4 + 1
 GRAPH_CALLS = 20
+KEY_VOCAB = 49152  # SmolLM2's
 
 
 def random_args(num_seqs: int, hist_cap: int, device: str) -> tuple:
@@ -82,16 +84,27 @@ def copy_args(num_seqs: int, length: int, device: str) -> tuple:
     return tuple(t.to(device) for t in (argmax, first_rows, drafts, num_drafts, history, history_len))
 
 
-def time_us(args: tuple, ngram_max: int, num_next: int, context: int, reps: int, tile=None) -> float:
+def key_table(device: str) -> torch.Tensor:
+    """A match-key table the size of SmolLM2's vocabulary, ids folded in pairs (2i, 2i + 1 -> 2i):
+    the engine's folded keys cost one gather per compared token, whatever the table says."""
+    ids = torch.arange(KEY_VOCAB, dtype=torch.int32)
+    return (ids - ids % 2).to(device)
+
+
+def time_us(
+    args: tuple, ngram_max: int, num_next: int, context: int, reps: int, tile=None, keys=None
+) -> float:
     """Median microseconds of one call (see the module docstring for the method per device);
-    tile (block, num_warps): the Triton kernel with that tile (CUDA)."""
+    tile (block, num_warps): the Triton kernel with that tile (CUDA); keys: a match-key table."""
     lens0 = args[5].clone()
     lens = args[5]
 
     def call() -> None:
         lens.copy_(lens0)
         if tile is None:
-            ngram_ops.accept_and_propose(*args, NGRAM_MIN, ngram_max, num_next, context_window=context)
+            ngram_ops.accept_and_propose(
+                *args, NGRAM_MIN, ngram_max, num_next, context_window=context, match_keys=keys
+            )
         else:
             from pagedinfer.kernels import ngram_propose
 
@@ -155,23 +168,30 @@ def main() -> int:
     cases = [("random", b, n, random_args(b, n, args.device), NGRAM_MAX, NUM_NEXT) for b, n in RANDOM_SHAPES]
     cases += [("copy", b, n, copy_args(b, n, args.device), COPY_NGRAM_MAX, COPY_K) for b, n in COPY_SHAPES]
     rows = []
+    table = key_table(args.device)
     for kind, num_seqs, length, call_args, ngram_max, num_next in cases:
-        for context in (0, CONTEXT_WINDOW):
-            us = time_us(call_args, ngram_max, num_next, context, args.reps)
+        # ranking off / on (exact ids), then on with the engine's folded keys (a table gather)
+        for context, keys in ((0, None), (CONTEXT_WINDOW, None), (CONTEXT_WINDOW, table)):
+            us = time_us(call_args, ngram_max, num_next, context, args.reps, keys=keys)
             row = {
                 "backend": backend,
                 "history": kind,
                 "num_seqs": num_seqs,
                 "length": length,
                 "context": context,
+                "keys": keys is not None,
             }
             rows.append({**row, "median_us": round(us, 2)})
             print(
-                f"{backend:9s} {kind:6s} B {num_seqs:3d} L {length:5d} context {context}: {us:10.2f} us",
+                f"{backend:9s} {kind:6s} B {num_seqs:3d} L {length:5d} context {context} keys "
+                f"{int(keys is not None)}: {us:10.2f} us",
                 flush=True,
             )
-        ranked, plain = rows[-1]["median_us"], rows[-2]["median_us"]
-        print(f"  tie ranking on / off: {ranked / max(plain, 1e-9):.2f}x", flush=True)
+        keyed, ranked, plain = (r["median_us"] for r in rows[-1:-4:-1])
+        print(
+            f"  tie ranking on / off: {ranked / max(plain, 1e-9):.2f}x; keys on / off: {keyed / max(ranked, 1e-9):.2f}x",
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device).type
     meta = {
