@@ -80,8 +80,9 @@ class SpeculativeConfig:
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
-    # n-gram: "folded" matches tokens up to a leading space and letter case (spec_decode/ngram_keys.py:
-    # "The" finds " the"; drafts stay the exact tokens after the match), "exact" matches ids
+    # n-gram: "folded" also matches tokens up to a leading space and letter case where the ids match
+    # nowhere (spec_decode/ngram_keys.py: "The" finds " the"; drafts stay the exact tokens after the
+    # match), "exact" matches ids only
     ngram_match: str = "folded"
     max_batch_size: int = 32  # above this many running sequences speculation is skipped for the step
     min_acceptance_rate: float = 0.2  # per sequence, below this its speculation pauses

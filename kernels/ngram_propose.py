@@ -8,8 +8,9 @@ The program never reads back the history it wrote: a token at position p of the 
 comes from the history row when p < the old length and from the argmax rows otherwise
 (`_token_at`), so no barrier is needed between the history write and the search. The one
 read-back is the tie ranking's scratch row, after a barrier (`_rank_ties`). With a key table
-(KEYED) every token the search and the ranking compare is looked up as its key (`_key_of`, one
-gather from a table that stays in L2); the drafts are the tokens themselves.
+(KEYED) a sequence whose ids match nowhere is searched again with every token the search and the
+ranking compare looked up as its key (`_key_of`, one gather from a table that stays in L2); the
+drafts are the tokens themselves.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _accept_propose_kernel(
     TIES: tl.constexpr,  # power of two >= max_ties (CTX > 0)
     DENSE_ROWS: tl.constexpr,  # every group has K + 1 rows (a chained step): first row b (K + 1)
     SEARCH: tl.constexpr,  # False: acceptance only (drafts made elsewhere; next drafts = filler)
-    KEYED: tl.constexpr,  # match keys_ptr[token] in place of the tokens
+    KEYED: tl.constexpr,  # where the ids match nowhere, search again on keys_ptr[token]
 ):
     seq = tl.program_id(0).to(tl.int64)
     out_row = out_ptr + seq * stride_out
@@ -142,69 +143,21 @@ def _accept_propose_kernel(
     tl.store(hist_row + old_len + steps, target.to(tl.int32), mask=is_emitted & (old_len + steps < hist_cap))
     tl.store(hist_len_ptr + seq, new_len.to(tl.int32))
 
-    # Search: a key per candidate end j < n - 1, length * L + j, so the max is the longest match,
-    # then the latest. All NGRAM_MAX loads of a tile are independent (masked by bounds only), so
-    # they issue together; the run of equal tokens is cut afterwards.
+    # Search on the ids; where they match nowhere and KEYED, again on the tokens' keys.
     last = new_len - 1
     best_key = tl.full([], -1, tl.int64)
     if SEARCH:
-        lanes = tl.arange(0, BLOCK)
-        best = tl.full([BLOCK], -1, tl.int64)
-        # per lane: the longest match among its ends so far, and how many ends have that length
-        lane_len = tl.zeros([BLOCK], tl.int32)
-        lane_count = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, last, BLOCK):
-            ends = start + lanes
-            match_len = _match_lengths(
-                hist_row,
-                emit_row,
-                ends,
-                last,
-                old_len,
-                new_len,
-                emit_max,
-                keys_ptr,
-                num_keys,
-                NGRAM_MAX,
-                KEYED,
-            )
-            is_match = match_len >= ngram_min
-            key = tl.where(is_match, match_len.to(tl.int64) * hist_cap + ends, -1)
-            best = tl.maximum(best, key)
-            found = tl.where(is_match, match_len, 0)
-            lane_count = tl.where(
-                found > lane_len, 1, tl.where(found == lane_len, lane_count + 1, lane_count)
-            )
-            lane_len = tl.maximum(lane_len, found)
-        best_key = tl.max(best, axis=0)
-        best_len = tl.max(lane_len, axis=0)
-        num_longest = tl.sum(tl.where((lane_len == best_len) & (best_len > 0), lane_count, 0), axis=0)
-        # Rank equally long matches by their context, as the host proposer does. A unique longest
-        # match (the usual case when copying text) is its own ranking: the second pass over the
-        # tiles, most of this kernel's time, is skipped.
-        if CTX > 0:  # noqa: SIM102 (a constexpr test, then a runtime one: two ifs for Triton)
-            if num_longest > 1:
-                best_key = _rank_ties(
-                    ties_ptr + seq * TIES,
-                    hist_row,
-                    emit_row,
-                    old_len,
-                    new_len,
-                    emit_max,
-                    last,
-                    best_key,
-                    hist_cap,
-                    ngram_min,
-                    window,
-                    max_ties,
-                    keys_ptr,
-                    num_keys,
-                    NGRAM_MAX,
-                    BLOCK,
-                    CTX,
-                    TIES,
-                    KEYED,
-                )
+        ties_row = ties_ptr + seq * TIES
+        best_key = _search(
+            hist_row, emit_row, ties_row, old_len, new_len, emit_max, last, hist_cap, ngram_min,
+            window, max_ties, keys_ptr, num_keys, NGRAM_MAX, BLOCK, CTX, TIES, False,
+        )  # fmt: skip
+        if KEYED:  # noqa: SIM102 (a constexpr test, then a runtime one: two ifs for Triton)
+            if best_key < 0:
+                best_key = _search(
+                    hist_row, emit_row, ties_row, old_len, new_len, emit_max, last, hist_cap, ngram_min,
+                    window, max_ties, keys_ptr, num_keys, NGRAM_MAX, BLOCK, CTX, TIES, True,
+                )  # fmt: skip
 
     # Next drafts: what followed the match, periodic with period n - 1 - j; no match: the last
     # emitted token repeated.
@@ -220,6 +173,78 @@ def _accept_propose_kernel(
     next_drafts = tl.where(has_match, tok.to(tl.int64), fill)
     tl.store(out_row + _FIXED + max_drafts + 1 + nexts, next_drafts, mask=nexts < num_next)
     tl.store(out_row + _HAS_MATCH, has_match.to(tl.int64))
+
+
+@triton.jit
+def _search(
+    hist_row,
+    emit_row,
+    ties_row,
+    old_len,
+    new_len,
+    emit_max,
+    last,
+    hist_cap,
+    ngram_min,
+    window,
+    max_ties,
+    keys_ptr,
+    num_keys,
+    NGRAM_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CTX: tl.constexpr,
+    TIES: tl.constexpr,
+    KEYED: tl.constexpr,
+):
+    """The key (length * L + end) of the chosen match, -1: none. A key per candidate end j < n - 1,
+    length * L + j, so the max is the longest match, then the latest; with CTX, equally long
+    matches ranked by context (`_rank_ties`). Tokens compared as their keys where KEYED."""
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], -1, tl.int64)
+    # per lane: the longest match among its ends so far, and how many ends have that length
+    lane_len = tl.zeros([BLOCK], tl.int32)
+    lane_count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, last, BLOCK):
+        ends = start + lanes
+        match_len = _match_lengths(
+            hist_row, emit_row, ends, last, old_len, new_len, emit_max, keys_ptr, num_keys, NGRAM_MAX, KEYED
+        )
+        is_match = match_len >= ngram_min
+        key = tl.where(is_match, match_len.to(tl.int64) * hist_cap + ends, -1)
+        best = tl.maximum(best, key)
+        found = tl.where(is_match, match_len, 0)
+        lane_count = tl.where(found > lane_len, 1, tl.where(found == lane_len, lane_count + 1, lane_count))
+        lane_len = tl.maximum(lane_len, found)
+    best_key = tl.max(best, axis=0)
+    best_len = tl.max(lane_len, axis=0)
+    num_longest = tl.sum(tl.where((lane_len == best_len) & (best_len > 0), lane_count, 0), axis=0)
+    # Rank equally long matches by their context, as the host proposer does. A unique longest
+    # match (the usual case when copying text) is its own ranking: the second pass over the
+    # tiles, most of this kernel's time, is skipped.
+    if CTX > 0:  # noqa: SIM102 (a constexpr test, then a runtime one: two ifs for Triton)
+        if num_longest > 1:
+            best_key = _rank_ties(
+                ties_row,
+                hist_row,
+                emit_row,
+                old_len,
+                new_len,
+                emit_max,
+                last,
+                best_key,
+                hist_cap,
+                ngram_min,
+                window,
+                max_ties,
+                keys_ptr,
+                num_keys,
+                NGRAM_MAX,
+                BLOCK,
+                CTX,
+                TIES,
+                KEYED,
+            )
+    return best_key
 
 
 @triton.jit

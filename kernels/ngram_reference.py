@@ -7,8 +7,8 @@ draft of step N + 1 from the updated history with the rule of
 engine.spec_decode.ngram.find_ngram_draft(context_window=0): the longest match of a suffix of
 length m in [ngram_min, ngram_max] ending at an earlier position j < n - 1, among those the
 latest, and the tokens after it extended periodically (period n - 1 - j). With `match_keys` (a
-[V] table, engine.spec_decode.ngram_keys) the tokens' keys are matched and ranked in their place;
-the drafts are still the tokens after the match.
+[V] table, engine.spec_decode.ngram_keys) a sequence whose ids match nowhere is searched again on
+its tokens' keys; the drafts are still the tokens after the match.
 
 Vectorized over sequences and history positions ([B, L] work per n-gram offset; on the CPU only
 up to the longest sequence), no `.item()` off the CPU, no boolean indexing: nothing synchronizes
@@ -59,7 +59,7 @@ def accept_and_propose(
     context_window > 0: equally long matches are ranked as find_ngram_draft ranks them (of the
     latest `max_ties`, the most context overlap, then the latest). search False: acceptance only
     (no match: the next drafts are the filler), for drafts made elsewhere. match_keys [V] int32
-    (optional): each id's key, matched in place of the id (ids outside [0, V) clamped)."""
+    (optional): each id's key, matched where the ids match nowhere (ids outside [0, V) clamped)."""
     num_accepted, target = _accept(argmax, first_rows, drafts, num_drafts)
     steps = torch.arange(target.shape[1], device=target.device)  # [K + 1]
     emitted = torch.where(steps <= num_accepted[:, None], target, 0)  # [B, K + 1]
@@ -127,7 +127,11 @@ def _propose(
     int64, has_match [B] bool."""
     hist_cap = tokens.shape[1]
     last = num_tokens - 1  # [B] the suffix ends here
-    end = _match_end(tokens, last, ngram_min, ngram_max, context_window, max_ties, match_keys)  # [B]
+    end = _match_end(tokens, last, ngram_min, ngram_max, context_window, max_ties)  # [B]
+    # Keys where the ids match nowhere (on the CPU only if some row needs them: no device to wait for)
+    if match_keys is not None and (tokens.device.type != "cpu" or bool((end < 0).any())):
+        keyed = _match_end(tokens, last, ngram_min, ngram_max, context_window, max_ties, match_keys)
+        end = torch.where(end >= 0, end, keyed)
     has_match = end >= 0
     end = end.clamp(min=0)
     period = (last - end).clamp(min=1)  # [B] what follows the match repeats with this period

@@ -55,8 +55,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--speculative-ngram-match",
         choices=["folded", "exact"],
         default=SpeculativeConfig.ngram_match,
-        help="ngram: match tokens up to a leading space and letter case ('The' finds ' the'; the "
-        "drafts stay the tokens that followed), or exact ids",
+        help="ngram: where the ids match nowhere, also match tokens up to a leading space and letter "
+        "case ('The' finds ' the'; the drafts stay the tokens that followed), or exact ids only",
     )
     eng.add_argument(
         "--speculative-device-chain",

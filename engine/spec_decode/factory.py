@@ -19,7 +19,7 @@ from pagedinfer.engine.spec_decode.draft_model import (
     check_same_vocabulary,
 )
 from pagedinfer.engine.spec_decode.ngram import NgramProposer
-from pagedinfer.engine.spec_decode.ngram_keys import match_keys
+from pagedinfer.engine.spec_decode.ngram_keys import MATCH_MODES, match_keys
 from pagedinfer.engine.spec_decode.proposer import Proposer
 from pagedinfer.engine.spec_decode.self_draft import SELF_PREFIX, LayerSubsetDraft, parse_layer_ids
 
@@ -31,6 +31,10 @@ def _check_method(config: SpeculativeConfig) -> None:
         raise ValueError(f"unknown speculative method {config.method!r}; expected one of {METHODS}")
     if config.method is not None and config.num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
+    if config.ngram_match not in MATCH_MODES:
+        raise ValueError(
+            f"unknown speculative ngram_match {config.ngram_match!r}; expected one of {MATCH_MODES}"
+        )
     if config.device_chain_steps < 1:
         raise ValueError(f"speculative device_chain_steps must be >= 1, got {config.device_chain_steps}")
 

@@ -8,9 +8,11 @@ last token matches, and it occurs in many places; the right one is where the tex
 came from, whose context still resembles the recent output (the latest occurrence alone chose
 worse: bench/NOTES.md, n-gram on CPU).
 
-With match keys (ngram_keys.py, the engine's default "folded"), what is matched and ranked is
-each token's key, one per spelling of a word up to a leading space and letter case; the draft is
-still the tokens that followed the match.
+With match keys (ngram_keys.py, the engine's default "folded"), a sequence whose ids match
+nowhere is searched again on its tokens' keys, one per spelling up to a leading space and letter
+case; the draft is still the tokens that followed the match. Exact matches go first, so the keys
+only add drafts where ids found none (a folded key merges more, e.g. "in" inside a word with the
+word " in", and would rank more ties where ids match anyway).
 
 Matching is vectorized with numpy over the candidate positions: candidates are the earlier
 occurrences of the last token, extended backwards one token at a time (at most ngram_max
@@ -55,7 +57,25 @@ def find_ngram_draft(
     ngram_max: int,
     max_draft: int,
     context_window: int = CONTEXT_WINDOW,
-    keys: np.ndarray | None = None,
+    match_keys: np.ndarray | None = None,
+) -> np.ndarray:
+    """Up to `max_draft` tokens following the longest earlier match of a suffix (`_find_draft`);
+    where the ids match nowhere and match_keys [V] (ngram_keys) is given, the longest match of
+    the tokens' keys (ids outside the table clipped into it)."""
+    draft = _find_draft(tokens, tokens, ngram_min, ngram_max, max_draft, context_window)
+    if draft.size or match_keys is None:
+        return draft
+    keys = np.take(match_keys, tokens, mode="clip")
+    return _find_draft(tokens, keys, ngram_min, ngram_max, max_draft, context_window)
+
+
+def _find_draft(
+    tokens: np.ndarray,
+    keys: np.ndarray,
+    ngram_min: int,
+    ngram_max: int,
+    max_draft: int,
+    context_window: int,
 ) -> np.ndarray:
     """Up to `max_draft` tokens following the longest earlier match of a suffix.
 
@@ -65,13 +85,13 @@ def find_ngram_draft(
     Equally long matches: of the latest MAX_RANKED_TIES, the one with the most context overlap
     between the windows ending just before the match and just before the suffix, then the latest
     (context_window 0: the latest).
-    keys [L] (optional): what is matched and ranked in place of the tokens (ngram_keys: one key
-    per spelling of a word); the draft is still the tokens that follow the match.
+    keys [L]: what is matched and ranked (the tokens themselves, or their match keys); the draft
+    is the tokens that follow the match.
     """
     num_tokens = int(tokens.shape[0])
     if num_tokens < ngram_min + 1 or max_draft <= 0:
         return tokens[:0]
-    drafted, tokens = tokens, (tokens if keys is None else keys)
+    drafted, tokens = tokens, keys
     last = num_tokens - 1
     ends = np.flatnonzero(tokens[:last] == tokens[last])  # [C] candidate ends
     if ends.size == 0:
@@ -169,21 +189,52 @@ def find_ngram_drafts(
     ngram_max: int,
     max_drafts: np.ndarray,
     context_window: int = CONTEXT_WINDOW,
-    flat_keys: np.ndarray | None = None,
+    match_keys: np.ndarray | None = None,
 ) -> list[list[int]]:
-    """`find_ngram_draft` for B sequences at once, concatenated in `flat`.
+    """`find_ngram_draft` for B sequences at once, concatenated in `flat` (`_find_drafts`); with
+    match_keys, the sequences left without a draft are searched again, together, on their keys."""
+    out = _find_drafts(flat, flat, starts, lengths, ngram_min, ngram_max, max_drafts, context_window)
+    if match_keys is None:
+        return out
+    missing = [b for b, d in enumerate(out) if not d and max_drafts[b] > 0 and lengths[b] > ngram_min]
+    if not missing:
+        return out
+    rows = np.array(missing)
+    sub_lengths = lengths[rows]
+    sub_flat = np.concatenate([flat[starts[b] : starts[b] + lengths[b]] for b in missing])
+    sub_keys = np.take(match_keys, sub_flat, mode="clip")
+    sub_starts = np.cumsum(sub_lengths) - sub_lengths
+    found = _find_drafts(
+        sub_flat, sub_keys, sub_starts, sub_lengths, ngram_min, ngram_max, max_drafts[rows], context_window
+    )
+    for b, draft in zip(missing, found, strict=True):
+        out[b] = draft
+    return out
+
+
+def _find_drafts(
+    flat: np.ndarray,
+    flat_keys: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    ngram_min: int,
+    ngram_max: int,
+    max_drafts: np.ndarray,
+    context_window: int,
+) -> list[list[int]]:
+    """`_find_draft` for B sequences at once, concatenated in `flat`.
 
     flat [T] int: all sequences back to back; sequence b is flat[starts[b] : starts[b] + lengths[b]].
     max_drafts [B] int. Same result per sequence as `find_ngram_draft`, in a fixed number of
     numpy calls: candidates (earlier occurrences of each sequence's last token) of all sequences
     are matched backwards together, then each sequence keeps its longest, then (among the latest
-    MAX_RANKED_TIES of those) most similar in context, then latest match. flat_keys [T]
-    (optional): matched in place of flat, as find_ngram_draft's keys.
+    MAX_RANKED_TIES of those) most similar in context, then latest match. flat_keys [T]: what is
+    matched and ranked (flat itself, or its keys); drafts are taken from flat.
     """
     num_seqs = int(lengths.shape[0])
     if flat.shape[0] == 0:
         return [[] for _ in range(num_seqs)]
-    drafted, flat = flat, (flat if flat_keys is None else flat_keys)
+    drafted, flat = flat, flat_keys
     ends = starts + lengths  # [B] one past each sequence's last token
     ok = (lengths >= ngram_min + 1) & (max_drafts > 0)  # [B]
     last = flat[ends - 1]  # [B] (lengths >= 1 where ok; masked below otherwise)
@@ -294,7 +345,8 @@ class NgramProposer:
         context_window: int = CONTEXT_WINDOW,
         match_keys: np.ndarray | None = None,
     ) -> None:
-        """match_keys [V] int (ngram_keys): each token id's key, what is matched; None: the ids."""
+        """match_keys [V] int (ngram_keys): each token id's key, matched where the ids match
+        nowhere; None: ids only."""
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         if num_speculative_tokens < 1:
@@ -307,10 +359,6 @@ class NgramProposer:
         self.context_window = context_window
         self.match_keys = match_keys
         self._cache = _TokenCache()
-
-    def _keys(self, tokens: np.ndarray) -> np.ndarray | None:
-        """The keys of tokens (one gather; clipped: any id maps to some key), None: exact ids."""
-        return None if self.match_keys is None else np.take(self.match_keys, tokens, mode="clip")
 
     def propose(self, requests: Sequence[DraftRequest]) -> DraftProposals:
         if not requests:
@@ -326,7 +374,7 @@ class NgramProposer:
                         self.ngram_max,
                         min(r.max_draft_tokens, k),
                         self.context_window,
-                        self._keys(a),
+                        self.match_keys,
                     ).tolist()
                     for a, r in zip(arrays, requests, strict=True)
                 ],
@@ -344,7 +392,7 @@ class NgramProposer:
             self.ngram_max,
             max_drafts,
             self.context_window,
-            self._keys(flat),
+            self.match_keys,
         )
         return DraftProposals(token_ids=drafts, probs=None)
 
@@ -357,7 +405,7 @@ class NgramProposer:
             return None
         tokens = self._cache.tokens(DraftRequest(row, 1))
         ahead = find_ngram_draft(
-            tokens, self.ngram_min, self.ngram_max, horizon, self.context_window, self._keys(tokens)
+            tokens, self.ngram_min, self.ngram_max, horizon, self.context_window, self.match_keys
         )
         # A set lookup per token (Python ints: any stop id compares, whatever its size): over a
         # horizon of tens of tokens 0.8 us, where np.isin took 8.6 us of a ~20 us call (CPU).

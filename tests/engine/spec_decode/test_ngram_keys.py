@@ -90,7 +90,7 @@ def test_answer_start_finds_the_source(smol, smol_keys):
     tokens = np.array([*prompt, the], dtype=np.int32)
     after = prompt.index(_id(smol, " The")) + 1
     assert find_ngram_draft(tokens, 1, 3, 4).tolist() == []
-    got = find_ngram_draft(tokens, 1, 3, 4, keys=smol_keys[tokens])
+    got = find_ngram_draft(tokens, 1, 3, 4, match_keys=smol_keys)
     assert got.tolist() == prompt[after : after + 4]
     assert smol.decode(got.tolist()) == " town council met on"
 
@@ -114,23 +114,66 @@ def test_proposer_drafts_exact_tokens_after_a_folded_match(smol, smol_keys):
 
 
 def test_batched_keys_equal_one_by_one():
-    """find_ngram_drafts with flat keys gives each sequence find_ngram_draft's keyed draft; the
-    keys change many drafts (ids 0..11 folded to 4 keys), and drafts are ids, not keys."""
+    """find_ngram_drafts with match keys gives each sequence find_ngram_draft's draft: ids first,
+    keys where they match nowhere (ids 0..29, keys 100 + id % 4: not ids); the keys add drafts,
+    never change one the ids found, and drafts are ids."""
     rng = random.Random(7)
-    table = np.arange(12, dtype=np.int32) % 4
-    differ = 0
+    table = (100 + np.arange(30) % 4).astype(np.int32)
+    added = 0
     for _ in range(200):
         seqs = [
-            np.array([rng.randrange(12) for _ in range(rng.randint(0, 40))], dtype=np.int32) for _ in range(4)
+            np.array([rng.randrange(30) for _ in range(rng.randint(0, 40))], dtype=np.int32) for _ in range(4)
         ]
-        k = np.array([rng.randint(1, 5) for _ in seqs])
+        k = np.array([rng.randint(0, 5) for _ in seqs])
         lengths = np.array([s.shape[0] for s in seqs])
         flat = np.concatenate(seqs)
         starts = np.cumsum(lengths) - lengths
-        got = find_ngram_drafts(flat, starts, lengths, 1, 3, k, flat_keys=table[flat])
+        got = find_ngram_drafts(flat, starts, lengths, 1, 3, k, match_keys=table)
         for s, kk, g in zip(seqs, k, got, strict=True):
-            want = find_ngram_draft(s, 1, 3, int(kk), keys=table[s]).tolist()
+            want = find_ngram_draft(s, 1, 3, int(kk), match_keys=table).tolist()
+            exact = find_ngram_draft(s, 1, 3, int(kk)).tolist()
             assert g == want
-            differ += want != find_ngram_draft(s, 1, 3, int(kk)).tolist()
+            assert want == exact or not exact  # keys only fill in
+            added += bool(want) and not exact
             assert set(want) <= set(s.tolist())
-    assert differ > 50
+    assert added > 50
+
+
+def test_factory_gives_the_proposer_and_the_chain_the_keys(smol, smol_keys):
+    from types import SimpleNamespace
+
+    from pagedinfer.engine.spec_decode.factory import build_speculative_decoder
+
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=smol.vocab_size), device="cpu")
+    kwargs = dict(num_blocks=8, block_size=4, max_model_len=64)
+    folded = build_speculative_decoder(SpeculativeConfig(method="ngram"), model, smol, **kwargs)
+    assert (folded.proposer.match_keys == smol_keys).all()
+    assert (folded.device_chain.match_keys.numpy() == smol_keys).all()
+    exact = build_speculative_decoder(
+        SpeculativeConfig(method="ngram", ngram_match="exact"), model, smol, **kwargs
+    )
+    assert exact.proposer.match_keys is None and exact.device_chain.match_keys is None
+    with pytest.raises(ValueError, match="unknown speculative ngram_match"):
+        build_speculative_decoder(
+            SpeculativeConfig(method="ngram", ngram_match="loose"), model, smol, **kwargs
+        )
+
+
+def test_chain_drafts_as_the_host_proposer(smol, smol_keys):
+    """A chain's first step (CPU torch path) drafts with the keys as NgramProposer does: the
+    answer's first token "The" finds the text's " The"."""
+    import torch
+
+    from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
+
+    prompt = smol.encode(SOURCE, add_special_tokens=False)
+    the = _id(smol, "The")
+    for keys in (smol_keys, None):
+        chain = DeviceNgramChain(2, 128, 4, 1, 3, torch.device("cpu"), "reference", match_keys=keys)
+        chain.start([prompt])
+        step = chain.accept(torch.tensor([the]), [0], [[]], None)  # no drafts: emits "The"
+        row = SamplingRow(0, SamplingParams(), None, 1, prompt, [the])
+        host = NgramProposer(1, 3, 4, match_keys=keys).propose([DraftRequest(row, 4)]).token_ids[0]
+        has_match = bool(step.packed[0, 3])
+        assert (step.packed[0, -4:].tolist() if has_match else []) == host
+        assert bool(host) == (keys is not None)
