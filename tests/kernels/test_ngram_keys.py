@@ -42,7 +42,8 @@ def case(trial: int, num_seqs: int = 3, cap: int = 72):
         accept = rng.randint(0, K)
         draft = [t if i < accept else (t + 1) % 12 for i, t in enumerate(target[:K])]
         hists.append(h), rows.append(target), drafts.append(draft), accepts.append(accept)
-    return hists, rows, drafts, accepts, rng.choice([1, 1, 2]), rng.choice([1, 3]), cap
+    ngram_min = rng.choice([1, 1, 2])
+    return hists, rows, drafts, accepts, ngram_min, rng.choice([ngram_min, 3]), cap
 
 
 def tensors(hists, rows, drafts, cap):
