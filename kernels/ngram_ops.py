@@ -110,7 +110,7 @@ def accept_and_propose(
     next_drafts [B, num_next] int64, has_match [B] bool). No host synchronization.
     search False: acceptance only, no match looked for (next drafts: the last emitted token), for a
     chain whose next drafts come from a draft model. match_keys [V] int32 (optional, on the same
-    device): each token id's key (engine.spec_decode.ngram_keys), matched in place of the id.
+    device): each token id's key (engine.spec_decode.ngram_keys), matched where the ids match nowhere.
     """
     check_accept_and_propose(
         argmax, first_rows, drafts, num_drafts, history, history_len, ngram_min, ngram_max, num_next

@@ -425,7 +425,8 @@ def launch_packed(
 
     A chained step passes the previous step's packed output: its next-drafts columns as `drafts`,
     its has-match column as `num_drafts` with drafts_scale K (no match: filler, not verified).
-    match_keys [V] int32 (optional): each id's key, what the search compares."""
+    match_keys [V] int32 (optional): each id's key, compared by a second search where the ids
+    match nowhere."""
     num_seqs, max_drafts = drafts.shape
     width = PACKED_FIXED + max_drafts + 1 + num_next
     if out is None:

@@ -85,7 +85,8 @@ class DeviceNgramChain:
         search: bool = True,
         match_keys: np.ndarray | None = None,
     ) -> None:
-        """match_keys [V] (engine.spec_decode.ngram_keys): what the prompt lookup matches per id."""
+        """match_keys [V] (engine.spec_decode.ngram_keys): each id's key, matched where the ids match
+        nowhere."""
         self.max_seqs = max_seqs
         # False (a draft model's chain): the accept kernel skips the prompt lookup, whose drafts
         # `with_drafts` would replace anyway.

@@ -196,7 +196,7 @@ def find_ngram_drafts(
     out = _find_drafts(flat, flat, starts, lengths, ngram_min, ngram_max, max_drafts, context_window)
     if match_keys is None:
         return out
-    missing = [b for b, d in enumerate(out) if not d and max_drafts[b] > 0 and lengths[b] > ngram_min]
+    missing = [b for b, d in enumerate(out) if not d]  # (`_find_drafts` skips those that cannot draft)
     if not missing:
         return out
     rows = np.array(missing)
