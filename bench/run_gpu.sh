@@ -166,6 +166,9 @@ probe gemv_smollm2 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2" --model smol
 # the same at 8 / 16 rows (a plain batch-8 step) and 40 / 56 (a batch-8 verification at K 4 / 6):
 # one tile of all rows against 16-row blocks (GemvConfig.block_m; ~1 min)
 probe gemv_smollm2_b8 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2_b8" --model smollm2 --rows 8,16,40,56 --rep-ms 25
+# the norm-epilogue GEMVs (add_prenorm, rstd_linear) at 8 / 40 / 56 rows: candidate configs
+# against the routed one and the plain step's 8 rows (~2 min)
+probe norm_epilogue_sweep "$PY" bench/norm_epilogue_sweep.py --out "$OUTDIR" --rows 8,40,56 --rep-ms 10
 # the n-gram rows again with a small model's 17-64-row GEMVs in one tile (the row blocks off: A/B)
 # shellcheck disable=SC2086  # SPEC_BENCH_ARGS splits into words
 probe spec_ngram_row_blocks_off env PAGEDINFER_GEMV_ROW_BLOCKS=0 "$PY" -P bench/speculative.py --device cuda \

@@ -22,7 +22,11 @@ The formula assumes a draft every step; an n-gram proposer has none where the te
 A second table gives the ratios against the theory at alpha over every sequence-step that asked
 for drafts, a step without a match counted as a draft rejected at its first token
 (speculative_report.alpha_all_steps): there tok/f is 1 by construction and the full-batch ratio
-is the verification's cost alone (1 / vstep at c = 0). Both alphas are in the JSON.
+is the verification's cost alone (1 / vstep at c = 0). Both alphas are in the JSON. The second
+is the one the issue's target is judged on (bench/NOTES.md, session 35): it is E[beta] over every
+step the proposer was asked, as the formula takes it, and a chained step does verify rows for a
+sequence with no match; the first alpha is acceptance given a match (vLLM's acceptance rate
+counts drafted tokens only), whose tok/f is the proposer's coverage, kept as a diagnostic.
 
     python -P bench/speculative.py --device cuda --model /path/smollm2.gguf --out OUT   # GPU: (a) + (b)
     python -P bench/speculative.py --workloads pair --smoke --out /tmp/x                 # CPU smoke of (b)

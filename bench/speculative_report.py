@@ -345,7 +345,8 @@ def summary(results: dict) -> str:
             lines.append(f"  {name}: {workload['construction']}")
     lines.append("")
     lines.append(
-        "against the theory at alpha over every sequence-step asked for drafts (no match = rejected at once)"
+        "against the theory at alpha over every sequence-step asked for drafts (no match = rejected at once;"
+        " the table the target is judged on, the one above at alpha given a match is a diagnostic)"
     )
     lines.append(
         f"{'workload':9} {'B':>2} {'K':>2} {'cover':>6} {'alpha':>6} {'theory':>6} {'ratio':>6} {'req.':>6} "
