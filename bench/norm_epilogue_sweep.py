@@ -28,6 +28,7 @@ from triton.runtime.errors import OutOfResources
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plotting  # noqa: E402
 from attention import _bench_graph  # noqa: E402
+from gemv import name_of  # noqa: E402  (bench/gemv.py's config labels)
 
 from pagedinfer.kernels.gemv import GemvConfig, config_for  # noqa: E402
 from pagedinfer.kernels.norm_epilogue import add_prenorm, rstd_linear  # noqa: E402
@@ -61,10 +62,6 @@ CANDIDATES = [
     GemvConfig("dot", 32, 128, 4, 4),
     GemvConfig("dot", 64, 64, 4, 6),
 ]
-
-
-def name_of(c: GemvConfig) -> str:
-    return f"{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}" + (f"/m{c.block_m}" if c.block_m else "")
 
 
 def kernel_fns(name, config, rows, weights, g, pre_routed):
@@ -169,8 +166,8 @@ def main() -> int:
                 }
             )
             say(
-                f"{name:7s} rows {rows:2d}: routed {name_of(routed[name]):18s} {routed_us:5.2f} us | best "
-                f"{best_label:18s} {ok[best_label]:5.2f} us | routed / best {routed_us / ok[best_label]:.3f}x"
+                f"{name:7s} rows {rows:2d}: routed {name_of(routed[name]):22s} {routed_us:5.2f} us | best "
+                f"{best_label:22s} {ok[best_label]:5.2f} us | routed / best {routed_us / ok[best_label]:.3f}x"
                 + (f" | best / plain 8 rows {ok[best_label] / peer:.3f}x" if peer else "")
             )
         t_routed = 1e3 * _bench_graph([chain(rows, routed, weights, g)], args.rep_ms)
