@@ -94,7 +94,7 @@ async def grpc_request(stub, pb, prompt_ids: list[int], max_tokens: int) -> Requ
 class _Worker:
     """One client process: a persistent event loop with its connections."""
 
-    def __init__(self, ports: dict[str, tuple[int, int]], max_tokens: int, max_clients: int) -> None:
+    def __init__(self, ports: dict[str, tuple[int, int | None]], max_tokens: int, max_clients: int) -> None:
         import grpc
 
         from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
@@ -107,8 +107,8 @@ class _Worker:
         limits = httpx.Limits(max_connections=max_clients + 4, max_keepalive_connections=max_clients + 4)
         self.client = httpx.AsyncClient(timeout=None, limits=limits)
         self.urls = {label: f"http://127.0.0.1:{http}" for label, (http, _) in ports.items()}
-        self.channels = {
-            label: grpc.aio.insecure_channel(f"127.0.0.1:{g}") for label, (_, g) in ports.items()
+        self.channels = {  # a server without gRPC (vLLM: bench/serving_vllm.py) has port None
+            label: grpc.aio.insecure_channel(f"127.0.0.1:{g}") for label, (_, g) in ports.items() if g
         }
         self.stubs = {label: pb_grpc.InferenceServiceStub(ch) for label, ch in self.channels.items()}
 
@@ -122,7 +122,9 @@ class _Worker:
     async def clients(
         self, mode: str, jobs: list[list[list[int]]], start_at: float
     ) -> tuple[list[RequestResult], float, float]:
-        await self.channels[mode.partition("/")[2]].channel_ready()
+        channel = self.channels.get(mode.partition("/")[2])
+        if channel is not None:
+            await channel.channel_ready()
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         start = time.monotonic()
 
@@ -136,7 +138,7 @@ class _Worker:
 _WORKER: _Worker | None = None  # one per worker process, set by the pool's initializer
 
 
-def _init_worker(ports: dict[str, tuple[int, int]], max_tokens: int, max_clients: int) -> None:
+def _init_worker(ports: dict[str, tuple[int, int | None]], max_tokens: int, max_clients: int) -> None:
     global _WORKER
     _WORKER = _Worker(ports, max_tokens, max_clients)
 
@@ -160,8 +162,10 @@ def _warm(mode: str, prompt_ids: list[int], hold: float) -> int:
 class ClientPool:
     """k client processes (spawned: no inherited CUDA or threads) that run N clients per level."""
 
-    def __init__(self, num_procs: int, ports: dict[str, tuple[int, int]], max_tokens: int, max_clients: int):
-        """ports: server label ("" for the base server) -> (HTTP port, gRPC port)."""
+    def __init__(
+        self, num_procs: int, ports: dict[str, tuple[int, int | None]], max_tokens: int, max_clients: int
+    ):
+        """ports: server label ("" for the base server) -> (HTTP port, gRPC port or None)."""
         self.num_procs = num_procs
         self.last_cpu_s = 0.0
         self._pool = ProcessPoolExecutor(

@@ -221,7 +221,7 @@ def run_gpu(args) -> dict:
     # a wider static batch buys it throughput (batch 256: 3.06x batch 64, 512: 3.9x;
     # bench/hf_peer_batches.py): "transformers' best" is its widest batch, not batch 64.
     static_batches = args.hf_static_batches or ([args.hf_requests] if args.smoke else [512])
-    if not args.floors_only:
+    if not args.floors_only and not args.skip_hf_peers:
         peers.update(hf_static_sweep(hf, static_batches, shape["vocab_size"], args.output_len))
         peers["hf_generate_batch"] = hf_generate_batch(hf, hf_prompts, args.output_len)
         print("transformers generate_batch:", peers["hf_generate_batch"])
@@ -279,6 +279,19 @@ def run_gpu(args) -> dict:
     )
     single_sync = run_engine_requests(core, random_prompts(1, 512, 0, shape["vocab_size"], seed=9), greedy)
     core.async_scheduling = async_default
+    # TTFT, single stream and the batch step timed as the vLLM peer times them (bench/vllm_compare.py)
+    vllm_methods = None
+    if args.peer_methods:
+        from peer_methods import measure
+
+        vllm_methods = measure(
+            core,
+            random_prompts(1, 512, 0, shape["vocab_size"], seed=9)[0],
+            random_prompts(256, 512, 0, shape["vocab_size"], seed=7),
+            args.output_len,
+            config.scheduler.max_num_batched_tokens,
+        )
+        print("peer methods:", json.dumps(vllm_methods))
     floors[f"batch{batch}_sync_steps"] = step_vs_floor(
         batch_sync, weight_bytes - table_bytes + batch * row_bytes, kv_tok, bw, batch
     )
@@ -306,6 +319,7 @@ def run_gpu(args) -> dict:
         "concurrency_curve": curve,
         "single_stream_curve_point": single,
         "decode_vs_floor": floors,
+        "vllm_peer_methods": vllm_methods,
         "peers": peers,
         "best_transformers_peer": best_name,
         "ratio_vs_best_transformers": offline.output_tok_s / best_hf
@@ -471,6 +485,15 @@ def main(argv: list[str] | None = None) -> int:
         "offline run, no curve; for quick A/B runs (no plot)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both peers)")
+    p.add_argument(
+        "--peer-methods",
+        action="store_true",
+        help="also TTFT, single stream and the batch-256 step timed as the vLLM peer times them "
+        "(bench/peer_methods.py; ~30 s)",
+    )
+    p.add_argument(
+        "--skip-hf-peers", action="store_true", help="no transformers peers (~1 min less; issue 47's runs)"
+    )
     args = p.parse_args(argv)
     if args.floors_only and args.cpu:
         p.error("--floors-only is for the GPU benchmark (or --smoke), not --cpu")
