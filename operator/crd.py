@@ -5,8 +5,8 @@
 
 pydantic's JSON schema is turned into a Kubernetes structural schema: references inlined,
 `Optional` unions collapsed, titles dropped, free-form maps marked
-`x-kubernetes-preserve-unknown-fields`, and sub-objects with defaulted fields given
-`default: {}` so the API server fills their defaults in.
+`x-kubernetes-preserve-unknown-fields`, and sub-objects with defaulted fields given a
+default that spells those fields out, so the API server fills them in and its CEL rules hold.
 """
 
 from __future__ import annotations
@@ -115,8 +115,18 @@ def _object(out: dict[str, Any], defs: dict[str, Any]) -> None:
         child = _structural(sub, defs)
         is_defaulted = name not in required and not is_optional_object
         if child.get("type") == "object" and "properties" in child and is_defaulted:
-            child["default"] = {}
+            child["default"] = _filled_default(child)
         props[name] = child
+
+
+def _filled_default(node: dict[str, Any]) -> dict[str, Any]:
+    """The object default with every defaulted field written out.
+
+    The API server checks each `default` against the CEL rules of its schema without filling
+    nested defaults in first, so `default: {}` on an object whose rules read `self.x` makes the
+    whole CRD invalid ("no such key"). Children are built first, so their defaults are final.
+    """
+    return {name: sub["default"] for name, sub in node["properties"].items() if "default" in sub}
 
 
 def _drop_defaults(node: dict[str, Any]) -> None:

@@ -154,6 +154,8 @@ async def _reconcile(ctx: OperatorContext, ref: meta.EngineRef, body: Any, state
         "servedModelName": inp.served_name,
         "endpoints": endpoints(inp),
     }
+    if any(c.reason == f"{res.INFERENCE_POOL.kind}Ready" for c in extra):
+        extra_fields["inferencePool"] = inp.ref.name
     status = _status(previous, phase, ref, conds + extra, extra=extra_fields)
     written = await _write_status(ctx, ref, state, previous, status)
     return Outcome(actions, written)
@@ -166,8 +168,8 @@ async def _apply_all(
     deployment: dict[str, Any] | None = None
     extra: list[Cond] = []
     for item in items:
-        if item.resource is res.SERVICE_MONITOR:
-            item, cond = await _monitoring(ctx, inp, item)
+        if item.resource in res.OPTIONAL_CRDS:
+            item, cond = await _optional_kind(ctx, item)
             if cond is not None:
                 extra.append(cond)
             if item is None:
@@ -175,7 +177,15 @@ async def _apply_all(
         create_extra = None
         if item.resource is res.DEPLOYMENT and inp.spec.autoscaling.enabled:
             create_extra = {"spec": {"replicas": initial_replicas(inp.spec)}}
-        action, live = await applier.apply(ctx.client, item, inp.ref.namespace, inp.ref.uid, create_extra)
+        try:
+            action, live = await applier.apply(ctx.client, item, inp.ref.namespace, inp.ref.uid, create_extra)
+        except ApiError as exc:
+            if exc.is_retryable:
+                raise
+            await _undo_created(ctx, inp, actions, items)
+            raise SpecError(
+                "ApplyRejected", f"the API server refused {item.resource.kind} {item.name}: {exc.message}"
+            ) from exc
         actions[item.resource.kind] = action
         if action is not applier.Action.NONE:
             ctx.metrics.writes.labels(item.resource.kind, action.value).inc()
@@ -190,20 +200,46 @@ async def _apply_all(
     return actions, deployment, extra
 
 
-async def _monitoring(
-    ctx: OperatorContext, inp: RenderInput, item: Desired
-) -> tuple[Desired | None, Cond | None]:
-    """The ServiceMonitor when wanted and its CRD exists; else a condition saying why not."""
-    kind = ConditionType.MONITORING.value
+async def _undo_created(
+    ctx: OperatorContext, inp: RenderInput, actions: dict[str, applier.Action], items: list[Desired]
+) -> None:
+    """A refused write leaves no half-built engine: delete what this pass created before it."""
+    for item in items:
+        if actions.get(item.resource.kind) is applier.Action.CREATED:
+            await ctx.client.delete(item.resource, inp.ref.namespace, item.name)
+            ctx.metrics.writes.labels(item.resource.kind, applier.Action.DELETED.value).inc()
+
+
+@dataclass(frozen=True)
+class _OptionalKind:
+    condition: ConditionType
+    feature: str  # the spec field that asks for it
+    provider: str  # who ships its CRD
+
+
+_OPTIONAL = {
+    res.SERVICE_MONITOR: _OptionalKind(
+        ConditionType.MONITORING, "monitoring.serviceMonitor.enabled", "prometheus-operator"
+    ),
+    res.INFERENCE_POOL: _OptionalKind(
+        ConditionType.ROUTING, "routing.inferencePool", "the Gateway API Inference Extension"
+    ),
+}
+
+
+async def _optional_kind(ctx: OperatorContext, item: Desired) -> tuple[Desired | None, Cond | None]:
+    """An owned object whose CRD the cluster may lack: applied when wanted and its CRD exists;
+    else a condition saying why not."""
+    kind = item.resource.kind
+    info = _OPTIONAL[item.resource]
+    has_crd = await ctx.client.crd_exists(res.OPTIONAL_CRDS[item.resource])
     if item.body is None:
         # Not wanted: remove one left from an earlier spec, if the kind exists at all.
-        if await ctx.client.crd_exists(res.SERVICE_MONITOR_CRD_NAME):
-            return item, None
-        return None, None
-    if not await ctx.client.crd_exists(res.SERVICE_MONITOR_CRD_NAME):
-        msg = "monitoring.serviceMonitor.enabled but the ServiceMonitor CRD (prometheus-operator) is not installed"
-        return None, Cond(kind, FALSE, "ServiceMonitorCRDMissing", msg)
-    return item, Cond(kind, TRUE, "ServiceMonitorReady", "ServiceMonitor applied")
+        return (item if has_crd else None), None
+    if not has_crd:
+        msg = f"{info.feature} is set but the {kind} CRD ({info.provider}) is not installed"
+        return None, Cond(info.condition.value, FALSE, f"{kind}CRDMissing", msg)
+    return item, Cond(info.condition.value, TRUE, f"{kind}Ready", f"{kind} {item.name} applied")
 
 
 def _previous_status(body: Any, state: EngineState) -> dict[str, Any]:
@@ -219,9 +255,11 @@ def _status(
     status.update(extra)
     status["phase"] = phase.value
     status["observedGeneration"] = ref.generation
-    status["conditions"] = merge_conditions(
-        previous.get("conditions") or [], conds, ref.generation, now_iso()
-    )
+    # An optional kind's condition goes when its feature is switched off (no condition is sent).
+    sent = {c.type for c in conds}
+    optional = {o.condition.value for o in _OPTIONAL.values()}
+    kept = [c for c in previous.get("conditions") or [] if c.get("type") not in optional - sent]
+    status["conditions"] = merge_conditions(kept, conds, ref.generation, now_iso())
     if phase is Phase.FAILED:
         status.setdefault("selector", meta.selector_string(ref))
     return status
@@ -264,7 +302,7 @@ async def _post_transitions(
     for cond in transitions(before, after):
         kind, value = cond["type"], cond["status"]
         if (kind == ConditionType.DEGRADED.value and value == TRUE) or (
-            kind == ConditionType.MONITORING.value and value == FALSE
+            kind in (ConditionType.MONITORING.value, ConditionType.ROUTING.value) and value == FALSE
         ):
             event_type = "Warning"
         elif kind == ConditionType.AVAILABLE.value and value == TRUE:

@@ -37,8 +37,15 @@ PDB = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 HPA = Resource("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler")
 SERVICE_MONITOR = Resource("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor")
 CRD = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition")
+INFERENCE_POOL = Resource("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
 SERVICE_MONITOR_CRD_NAME = "servicemonitors.monitoring.coreos.com"
+INFERENCE_POOL_CRD_NAME = "inferencepools.inference.networking.k8s.io"
 
 # Every kind the operator owns, in the order it applies them (storage before the pods use it).
-OWNED: tuple[Resource, ...] = (PVC, SERVICE, DEPLOYMENT, PDB, HPA, SERVICE_MONITOR)
+OWNED: tuple[Resource, ...] = (PVC, SERVICE, DEPLOYMENT, PDB, HPA, SERVICE_MONITOR, INFERENCE_POOL)
+# Owned kinds whose CRD a cluster may lack: name of that CRD.
+OPTIONAL_CRDS: dict[Resource, str] = {
+    SERVICE_MONITOR: SERVICE_MONITOR_CRD_NAME,
+    INFERENCE_POOL: INFERENCE_POOL_CRD_NAME,
+}
 BY_KIND: dict[str, Resource] = {r.kind: r for r in OWNED}

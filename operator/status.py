@@ -31,6 +31,7 @@ class ConditionType(str, Enum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     MONITORING = "MonitoringConfigured"
+    ROUTING = "RoutingConfigured"
 
 
 class Condition(_Model):
@@ -69,6 +70,7 @@ class InferenceEngineStatus(_Model):
     selector: str | None = None
     served_model_name: str | None = None
     endpoints: Endpoints | None = None
+    inference_pool: str | None = None  # name of the owned InferencePool, when routing asks for one
     stats: Stats | None = None
     conditions: list[Condition] = Field(
         default_factory=list,

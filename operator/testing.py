@@ -286,7 +286,7 @@ async def _wait_for_watches(memo: kopf.Memo, server: Emulator | None) -> None:
 
     kmock replays existing objects at the start of a watch as well as in the list before it, so
     an object created in between would reach Kopf twice with a stale version."""
-    plurals = [PLURAL] + [r.plural for r in res.OWNED if r is not res.SERVICE_MONITOR]
+    plurals = [PLURAL] + [r.plural for r in res.OWNED if r not in res.OPTIONAL_CRDS]
     for _ in range(400):
         started = getattr(memo, "ctx", None) is not None
         if started and (server is None or all(server.is_watching(p) for p in plurals)):

@@ -9,6 +9,7 @@ from pagedinfer.operator import resources as res
 from pagedinfer.operator.builders import meta
 from pagedinfer.operator.builders.deployment import RenderInput, build_deployment
 from pagedinfer.operator.builders.policies import build_hpa, build_pdb
+from pagedinfer.operator.builders.routing import build_inference_pool
 from pagedinfer.operator.builders.service import build_service, build_service_monitor
 from pagedinfer.operator.builders.storage import build_model_cache_pvc
 
@@ -32,4 +33,5 @@ def desired_state(inp: RenderInput) -> list[Desired]:
         Desired(res.PDB, name, build_pdb(inp)),
         Desired(res.HPA, name, build_hpa(inp)),
         Desired(res.SERVICE_MONITOR, name, build_service_monitor(inp)),
+        Desired(res.INFERENCE_POOL, name, build_inference_pool(inp)),
     ]

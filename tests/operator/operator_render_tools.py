@@ -42,6 +42,7 @@ FULL_SPEC: dict[str, Any] = {
         "target": 0.8,
     },
     "monitoring": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
+    "routing": {"inferencePool": {"endpointPicker": {"name": "llm-epp", "port": 9002}}},
     "scheduling": {
         "nodeSelector": {"gpu": "h100"},
         "tolerations": [{"key": "dedicated", "operator": "Exists"}],

@@ -39,6 +39,9 @@ the per-namespace modes grant exactly the same namespaced verbs.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Live stats: list the engine pods to scrape their /metrics.
 - apiGroups: [""]
   resources: ["pods"]
