@@ -116,9 +116,39 @@ probe profile_decode "$PY" bench/profile_decode.py --out "$OUTDIR" --batches 1,2
 probe gemm_batch "$PY" bench/gemm_batch.py --out "$OUTDIR"
 probe hf_peer_batches "$PY" bench/hf_peer_batches.py --out "$OUTDIR"
 probe profile_spec "$PY" -P bench/profile_spec.py --out "$OUTDIR" --model "${SPEC_MODEL:-builtin://smollm2-135m}"
+# vLLM 0.26 side by side (issue 47), where the carried vLLM is on this machine: .vw/ from
+# ../shared/vllm-peer/fetch.sh (chunks carried one call each, bench/gpu_requirements.md) is
+# installed into /tmp/vsite once; then vllm_peer runs right after our throughput step, and our
+# throughput step also times TTFT / single stream / the batch-256 step the way the peer does.
+VLLM_SITE=/tmp/vsite
+vllm_install() { bash .vw/install.sh .vw; }
+vllm_serve_wheels() {  # bench/vllm_serve_wheels.txt: what `vllm serve` needs beyond the offline set
+  compgen -G ".vw/serve/*.whl" >/dev/null || { echo "no .vw/serve/: bench/fetch_vllm_serve_wheels.sh"; return 1; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vsite-serve .vw/serve/*.whl
+}
+if [[ -f .vw/install.sh && ! -f $VLLM_SITE/.installed ]]; then
+  step vllm_install vllm_install
+fi
+HAVE_VLLM=0
+[[ -f $VLLM_SITE/.installed && -f .vw/vllm_peer.py ]] && HAVE_VLLM=1
+# Only vLLM's own wheels on its PYTHONPATH: the project's (newer pydantic, openai) stay out.
+VLLM_ENV=(env PYTHONPATH="$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1)
+PEER_METHODS=()
+((HAVE_VLLM)) && PEER_METHODS=(--peer-methods)
 # transformers' peers: static batch 512 (its best measured) and generate_batch over 32 requests
-# (far below the static batch at any size; 32 instead of 64 keeps the run under 9 minutes)
-step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR" --hf-requests 32 --concurrency 1 8 128 256
+# (far below the static batch at any size; 32 instead of 64 keeps the run under 9 minutes);
+# THROUGHPUT_BENCH_ARGS="--skip-hf-peers" leaves them out (~1 min less)
+# shellcheck disable=SC2086  # THROUGHPUT_BENCH_ARGS splits into words
+step bench_throughput "$PY" bench/throughput.py --out "$OUTDIR" --hf-requests 32 --concurrency 1 8 128 256 \
+  "${PEER_METHODS[@]}" ${THROUGHPUT_BENCH_ARGS:-}
+if ((HAVE_VLLM)); then
+  # vLLM's defaults (~3-4 min with its torch.compile), then configured like ours (256 sequences,
+  # 8,192 tokens a step; ~2-3 min, its compile cache warm): $OUTDIR/vllm*/vllm_peer.json
+  step vllm_peer "${VLLM_ENV[@]}" OUT="$OUTDIR/vllm" timeout 540 "$PY" .vw/vllm_peer.py
+  step vllm_peer_match "${VLLM_ENV[@]}" OUT="$OUTDIR/vllm_match" timeout 480 "$PY" .vw/vllm_peer.py --match-ours
+else
+  echo "- vllm_peer: not run (no carried vLLM in $VLLM_SITE)" >>"$SUMMARY"
+fi
 # speculative decoding: (a) n-gram on SmolLM2 (SPEC_MODEL=<.gguf>, else the builtin; skipped with a
 # message when neither loads), (b) 8B-shaped random target + first-2-layers draft; K = 2, 4, 6
 # (SPEC_WORKLOADS=ngram or pair runs one of them, e.g. the pair in a call without the GGUF;
@@ -211,6 +241,18 @@ probe profile_spec_ngram_b8 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --wor
 step bench_serving timeout 300 "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \
   --concurrency 1,16,64 --max-tokens 128 --prompt-len 128 --requests-per-client 1 --rounds 3 \
   --out "$OUTDIR" ${SERVING_BENCH_ARGS:-}
+# the same against `vllm serve` (issue 47): both servers in turn on the whole GPU, one client
+# (bench/serving_clients.py, HTTP/SSE), N = 1, 16, 64, 256, 512 -> 128 tokens (~6 min)
+if ((HAVE_VLLM)); then
+  step vllm_serve_wheels vllm_serve_wheels
+  # shellcheck disable=SC2086  # SERVING_VLLM_ARGS splits into words
+  step serving_vllm timeout 570 "$PY" bench/serving_vllm.py --out "$OUTDIR" ${SERVING_VLLM_ARGS:-}
+fi
+# one table, ours / vLLM / ratio, from whatever of the above exists in OUTDIR (also from an earlier
+# call on the same machine with the same OUTDIR): vllm_compare_summary.txt goes into SUMMARY.md
+if compgen -G "$OUTDIR/vllm*/vllm_peer.json" >/dev/null; then
+  step vllm_compare "$PY" bench/vllm_compare.py --dir "$OUTDIR"
+fi
 
 # 4. summary
 for f in "$OUTDIR"/*_summary.txt; do
