@@ -171,6 +171,8 @@ class EngineCore:
             priority=priority,
             seed=seed,
             eos_token_ids=self.eos_token_ids,
+            # the leader computes the prompt; its children are forked after it
+            prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
         )
 
     def abort(self, request_id: str) -> list[RequestOutput]:

@@ -34,6 +34,7 @@ class FinalOutput:
     completions: list[Completion]
     usage: Usage | None = None
     timing: RequestTiming | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs)
 
     @property
     def text(self) -> str:
@@ -56,6 +57,8 @@ def accumulate(final: FinalOutput, out: RequestOutput) -> None:
         c.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             c.logprobs = (c.logprobs or []) + list(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            final.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason, c.error = delta.finish_reason, delta.stop_reason, delta.error
     if out.finished:

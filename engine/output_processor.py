@@ -102,6 +102,8 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
         if logprobs is not None:
             delta.logprobs = [self._logprobs(lp) for lp in logprobs]
+        if u.prompt_logprobs is not None:
+            delta.prompt_logprobs = [self._logprobs(lp) for lp in u.prompt_logprobs]
         if u.verifications:
             _count_drafts(state.sequences[u.index], u.verifications, len(delta.token_ids))
         return delta

@@ -41,6 +41,8 @@ class CompletionDelta:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that matched
     error: str | None = None  # set with FinishReason.ERROR
+    # prompt_logprobs: prompt tokens 1.. (the first has none), once, with the first output token
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
             m.token_ids = m.token_ids + d.token_ids
             if d.logprobs is not None:
                 m.logprobs = (m.logprobs or []) + d.logprobs
+            if d.prompt_logprobs is not None:
+                m.prompt_logprobs = d.prompt_logprobs
             if d.finish_reason is not None:
                 m.finish_reason, m.stop_reason, m.error = d.finish_reason, d.stop_reason, d.error
     last = outputs[-1]

@@ -61,6 +61,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     pending_children: list[Request] = field(default_factory=list)
+    # prompt_logprobs: logprobs of prompt tokens 1.. computed so far (a TokenLogprobs each)
+    prompt_logprobs: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

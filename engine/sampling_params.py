@@ -8,8 +8,13 @@ from dataclasses import dataclass, field
 class InvalidRequestError(ValueError):
     """A request the engine can never serve (bad parameter, prompt too long, ...).
 
-    Servers map it to gRPC INVALID_ARGUMENT / HTTP 400 / a WebSocket error message.
+    Servers map it to gRPC INVALID_ARGUMENT / HTTP 400 / a WebSocket error message; `param`
+    names the request field at fault, where known (OpenAI's error `param`).
     """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
     temperature: float = 1.0
-    top_k: int = 0  # 0: disabled
+    top_k: int = 0  # 0 or -1 (vLLM's spelling): disabled; stored as 0
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -33,6 +38,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k alternatives
     skip_special_tokens: bool = True
     use_speculation: bool = True  # per-request opt-out of speculative decoding
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before sampling, sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None  # k >= 0: each prompt token's logprob plus the top-k (vLLM)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     MAX_N = 16
@@ -42,6 +50,10 @@ class SamplingParams:
         # Tolerate lists from JSON/protobuf callers; store tuples so the object stays hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = dict(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias.items())))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         self.validate()
 
     @property
@@ -57,10 +69,11 @@ class SamplingParams:
     def is_history_free(self) -> bool:
         """Each token is drawn from its own row's logits (temperature, top-k / top-p / min-p, a
         seed and the output position) with nothing that reads the tokens before it: no penalties,
-        no min_tokens (its bans depend on the position). What a request must be to join a chained
+        no min_tokens (its bans depend on the position), and no logit_bias (kept off the device
+        chains, which draw from raw logits). What a request must be to join a chained
         step; one with min_tokens still rides a chain that starts after its bans have lifted (the
         runner checks the first step's metadata: model_runner._chain_may_decide)."""
-        return not self.has_penalties and self.min_tokens == 0
+        return not self.has_penalties and self.min_tokens == 0 and not self.logit_bias
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -81,7 +94,7 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             ),
             (0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (
@@ -100,6 +113,15 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
                 f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}",
             ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
+            (
+                all(-100.0 <= b <= 100.0 for _, b in self.logit_bias),
+                "logit_bias values must be in [-100, 100]",
+            ),
+            (len(self.logit_bias) <= 1024, "logit_bias holds at most 1024 tokens"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
         ]

@@ -82,15 +82,24 @@ class KVCacheManager:
         return 1.0 - self.num_free_blocks / max(self.num_blocks, 1)
 
     # ---- per sequence ---------------------------------------------------------------------
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int | None:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int | None:
         """Blocks for all `token_ids` (reusing prefix-cached ones); returns cached tokens.
 
         None when the pool minus the watermark cannot hold them. At least one token is left
-        to compute so the step produces logits.
+        to compute so the step produces logits. `use_prefix_cache=False`: fresh blocks only, every
+        token computed (prompt_logprobs need the logits of every prompt position).
         """
         # Conservative: prefix-cache hits are not subtracted, so admission never overcommits.
         if self.blocks_to_admit(len(token_ids)) > self.num_free_blocks:
             return None
+        if not use_prefix_cache:
+            self._blocks.add_sequence(seq_id, [])  # no tokens: no prefix match
+            try:
+                self._blocks.append_tokens(seq_id, list(token_ids))  # fresh blocks: no copies
+            except self._oob_errors:
+                self._blocks.free(seq_id)
+                return None
+            return 0
         try:
             num_cached = int(self._blocks.add_sequence(seq_id, list(token_ids)))
         except self._oob_errors:

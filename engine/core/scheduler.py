@@ -16,6 +16,7 @@ from pagedinfer.engine.config import SchedulerConfig
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
 from pagedinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
+    PromptLogprobs,
     SampledTokens,
     SamplingRow,
     ScheduledSequence,
@@ -490,7 +491,9 @@ class Scheduler:
                 continue
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 return
-            num_cached = self.kv.allocate(seq.seq_id, seq.all_token_ids)
+            # prompt_logprobs need every prompt position's logits: no prefix-cache hits (as vLLM)
+            use_cache = seq.sampling_params.prompt_logprobs is None
+            num_cached = self.kv.allocate(seq.seq_id, seq.all_token_ids, use_cache)
             if num_cached is None:
                 return  # strict order: a big head request is not starved by smaller ones
             self.waiting.pop(0)
@@ -562,9 +565,16 @@ class Scheduler:
         if token_ids is None:
             token_ids = seq.token_ids_range(start, end)
         # Positional: this runs once per sequence per step.
-        return ScheduledSequence(
+        scheduled = ScheduledSequence(
             seq.seq_id, token_ids, start, len(seq.prompt_token_ids), max(end - num_tokens, 0), sample, forks
         )
+        if seq.prompt_logprobs is not None and start < len(seq.prompt_token_ids) - 1:
+            # input p predicts prompt token p + 1: this chunk's inputs up to the prompt's last but one
+            scheduled.prompt_targets = seq.prompt_token_ids[
+                start + 1 : min(end, len(seq.prompt_token_ids) - 1) + 1
+            ]
+            scheduled.num_prompt_logprobs = seq.sampling_params.prompt_logprobs
+        return scheduled
 
     @staticmethod
     def _sampling_row(seq: Request) -> SamplingRow:
@@ -602,6 +612,8 @@ class Scheduler:
                 live.append(seq)
             if s.num_spec_tokens:
                 num_spec[s.seq_id] = s.num_spec_tokens
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(result.prompt_logprobs)
         updates: list[SequenceUpdate] = []
         for st in result.sampled:
             u = self._apply_sampled(st, num_spec.get(st.seq_id, 0) if num_spec else 0, st.seq_id in kv_ahead)
@@ -620,6 +632,17 @@ class Scheduler:
                 seq.finish_time = self.clock()
                 self._forget_if_done(seq.request_id)
         return updates
+
+    def _add_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> None:
+        """Append each chunk's prompt logprobs past those the sequence holds (a preempted
+        sequence recomputes its prompt: positions it has already are not added twice)."""
+        for chunk in chunks:
+            seq = self._by_seq_id.get(chunk.seq_id)
+            if seq is None or seq.prompt_logprobs is None:
+                continue
+            skip = len(seq.prompt_logprobs) - chunk.start  # entries already held
+            if skip >= 0:
+                seq.prompt_logprobs.extend(chunk.entries[skip:])
 
     def _fork_children(self, leader: Request) -> None:
         for child in leader.pending_children:
@@ -665,12 +688,17 @@ class Scheduler:
                 if decision is not None:
                     seq.finish_reason, seq.stop_reason = decision.reason, decision.stop_reason
                     break
+        prompt_logprobs = None
         if seq.first_token_time is None:
             seq.first_token_time = self.clock()
+            prompt_logprobs = seq.prompt_logprobs  # (None unless asked for: sent once, here)
         logprobs = sampled.logprobs[: len(new_ids)] if sampled.logprobs is not None else None
-        return SequenceUpdate(
+        update = SequenceUpdate(
             seq.seq_id, seq.request_id, seq.index, new_ids, logprobs, seq.finish_reason is not None
         )
+        if prompt_logprobs is not None:
+            update.prompt_logprobs = prompt_logprobs
+        return update
 
 
 def may_stop_tokens(seq: Request, token_ids: list[int], max_model_len: int) -> bool:

@@ -54,6 +54,10 @@ class ScheduledSequence:
     num_spec_tokens: int = 0  # trailing draft tokens among token_ids
     sample: SamplingRow | None = None
     fork_rows: tuple[SamplingRow, ...] = ()  # n > 1 children sampled from the same logits
+    # prompt_logprobs: the prompt tokens this chunk's leading inputs predict (input j predicts
+    # prompt token num_computed_tokens + j + 1), and how many alternatives each; None: not asked
+    prompt_targets: list[int] | None = None
+    num_prompt_logprobs: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -116,6 +120,15 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens start + 1 .. start + len(entries) (prompt_logprobs)."""
+
+    seq_id: int
+    start: int  # the input position of the first entry (its target is the next token)
+    entries: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class SampledTokens:
     """Tokens a sequence gained this step: one normally, 1 + accepted drafts when verifying."""
 
@@ -140,6 +153,7 @@ class ModelRunnerOutput:
     # (drafts verified, tokens emitted); `verified_drafts` then holds their sums.
     device_steps: list[list[tuple[int, int]]] | None = None
     gpu_time_s: float = 0.0  # device time of the forward + sampling, when measured
+    prompt_logprobs: list[PromptLogprobs] | None = None  # chunks of prompts that asked for them
 
     def verifications(self, applied: dict[int, int] | None = None) -> list[tuple[int, int, int, int]]:
         """A device-decided step's verifications as (seq_id, drafts, accepted, emitted), filler
@@ -226,3 +240,5 @@ class SequenceUpdate:
     # their tokens (accepted drafts + 1) are in new_token_ids (None: none; no list per update
     # on the plain decoding path)
     verifications: list[tuple[int, int]] | None = None
+    # prompt_logprobs: every prompt token's after the first, sent once with the first output token
+    prompt_logprobs: list[TokenLogprobs] | None = None

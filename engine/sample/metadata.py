@@ -34,6 +34,9 @@ class SamplingMetadata:
     ban_rows: torch.Tensor | None = None  # [M] int64 (min_tokens bans)
     ban_token_ids: torch.Tensor | None = None  # [M] int64
     any_greedy: bool = True  # False: every row samples (no argmax row to merge in)
+    bias_rows: torch.Tensor | None = None  # [M] int64 (logit_bias entries: row, token, bias)
+    bias_token_ids: torch.Tensor | None = None  # [M] int64
+    bias_values: torch.Tensor | None = None  # [M] fp32
 
     @property
     def num_rows(self) -> int:
@@ -118,6 +121,7 @@ def _param_tensors(params: list[SamplingParams], vocab_size: int, device: torch.
         max_num_logprobs=max((n for n in logprobs if n is not None), default=-1),
         num_logprobs=logprobs,
     )
+    _add_logit_bias(meta, params, device)
     return _ParamTensors(
         meta,
         greedy,
@@ -202,3 +206,14 @@ def _add_min_token_bans(meta, rows, eos_token_ids, device) -> None:
     if ban_rows:
         meta.ban_rows = _to_device(torch.tensor(ban_rows, dtype=torch.int64), device)
         meta.ban_token_ids = _to_device(torch.tensor(ban_ids, dtype=torch.int64), device)
+
+
+def _add_logit_bias(meta: SamplingMetadata, params: list[SamplingParams], device: torch.device) -> None:
+    """The rows' logit_bias entries as three flat [M] tensors (one index_put_ in the sampler)."""
+    entries = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if not entries:
+        return
+    rows, token_ids, values = zip(*entries, strict=True)
+    meta.bias_rows = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+    meta.bias_token_ids = _to_device(torch.tensor(token_ids, dtype=torch.int64), device)
+    meta.bias_values = _to_device(torch.tensor(values, dtype=torch.float32), device)

@@ -1,4 +1,4 @@
-"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Batched token sampling: penalties, logit_bias, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 One pass over [N, V] logits for the whole batch; no per-row Python loop. Seeded rows draw
 their exponential noise from `rng.hash_uniform` (a function of seed, position and token
@@ -58,7 +58,7 @@ def is_plain_greedy(meta: SamplingMetadata) -> bool:
     Exact on half-precision logits too: upcasting to fp32 keeps the order and the first maximum,
     so such a batch needs neither LlamaForCausalLM.compute_logits' upcast nor process()'s copy.
     """
-    return meta.all_greedy and meta.penalties is None and meta.ban_rows is None
+    return meta.all_greedy and meta.penalties is None and meta.ban_rows is None and meta.bias_rows is None
 
 
 class Sampler:
@@ -67,14 +67,16 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits [N, V] -> penalized, banned, temperature-scaled and filtered [N, V] fp32."""
-        # Penalties and bans write in place: copy then; otherwise nothing below writes into it.
-        edits = meta.penalties is not None or meta.ban_rows is not None
+        # Penalties, biases and bans write in place: copy then; otherwise nothing below writes into it.
+        edits = meta.penalties is not None or meta.ban_rows is not None or meta.bias_rows is not None
         logits = logits.float().clone() if edits else logits.float()
         if meta.penalties is not None:
             p = meta.penalties
             logits = apply_penalties(
                 logits, p.prompt_ids, p.output_ids, p.repetition, p.presence, p.frequency
             )
+        if meta.bias_rows is not None:  # OpenAI's logit_bias: added before the bans and temperature
+            logits.index_put_((meta.bias_rows, meta.bias_token_ids), meta.bias_values, accumulate=True)
         if meta.ban_rows is not None:
             logits = ban_tokens(logits, meta.ban_rows, meta.ban_token_ids)
         if meta.all_greedy:

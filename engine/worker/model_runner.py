@@ -21,6 +21,7 @@ import torch
 
 from pagedinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
+    PromptLogprobs,
     SampledTokens,
     SamplingRow,
     SchedulerOutput,
@@ -35,6 +36,7 @@ from pagedinfer.kernels import ops
 from pagedinfer.kernels.argmax import argmax_rows
 
 logger = logging.getLogger(__name__)
+_PROMPT_LOGPROB_ROWS = 256  # prompt_logprobs: logits rows per [rows, V] fp32 block
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class LaunchedForward:
     graph: GraphKey | None = None
     # A chained step's draft-model drafts' q [B, K, V] where some row samples (None: greedy)
     draft_probs: torch.Tensor | None = None
+    prompt_logprobs: list[DevicePromptLogprobs] | None = None  # prompts that asked for them
 
 
 @dataclass
@@ -115,6 +118,27 @@ class PendingStep:
     draws: torch.Tensor | None = None  # [N] a verification's draw per row, its drafts matched against them
     chain: ChainStep | None = None  # acceptance + next drafts decided on the device (device_chain.py)
     chain_steps: list[ChainStep] | None = None  # several device steps: each one's (`chain`: the last)
+    prompt_logprobs: list[DevicePromptLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class DevicePromptLogprobs:
+    """One prompt chunk's prompt_logprobs, still on the device."""
+
+    seq_id: int
+    start: int  # input position of the first row (its target is the next prompt token)
+    target_ids: list[int]  # [n]
+    logprobs: torch.Tensor  # [n] fp32 logprob of each target
+    top_token_ids: torch.Tensor  # [n, k] int64
+    top_logprobs: torch.Tensor  # [n, k] fp32
+
+    def to_host(self) -> PromptLogprobs:
+        lps, ids, tops = self.logprobs.tolist(), self.top_token_ids.tolist(), self.top_logprobs.tolist()
+        entries = [
+            TokenLogprobs(t, lp, tuple(i), tuple(v))
+            for t, lp, i, v in zip(self.target_ids, lps, ids, tops, strict=True)
+        ]
+        return PromptLogprobs(self.seq_id, self.start, entries)
 
 
 @dataclass(slots=True)
@@ -241,8 +265,10 @@ class ModelRunner:
         hidden = self._run_model(inputs, key)
         logits_indices = inputs.attn_metadata.logits_indices
         if fed_chain is None:
-            return LaunchedForward(start, rows, groups, hidden, logits_indices)
-        return LaunchedForward(
+            launched = LaunchedForward(start, rows, groups, hidden, logits_indices)
+            launched.prompt_logprobs = self._prompt_logprobs(sched, hidden)
+            return launched
+        launched = LaunchedForward(
             start,
             rows,
             groups,
@@ -254,6 +280,39 @@ class ModelRunner:
             key,
             draft_probs,
         )
+        launched.prompt_logprobs = self._prompt_logprobs(sched, hidden)
+        return launched
+
+    def _prompt_logprobs(
+        self, sched: SchedulerOutput, hidden: torch.Tensor
+    ) -> list[DevicePromptLogprobs] | None:
+        """Logprobs of the prompt tokens that this step's prompt chunks predict, for sequences
+        that asked (prompt_logprobs): fp32 log-softmax of each input position's logits, the next
+        prompt token's entry and the top k. Enqueued now; read in collect()."""
+        if not any(s.prompt_targets for s in sched.sequences):
+            return None
+        qsl = sched.layout.query_start_loc
+        device = hidden.device
+        out = []
+        for b, s in enumerate(sched.sequences):
+            if not s.prompt_targets:
+                continue
+            first = int(qsl[b])
+            targets = torch.tensor(s.prompt_targets, dtype=torch.int64).to(device)  # [n]
+            parts = []
+            for lo in range(0, len(s.prompt_targets), _PROMPT_LOGPROB_ROWS):  # bounded [rows, V]
+                hi = min(lo + _PROMPT_LOGPROB_ROWS, len(s.prompt_targets))
+                logits = self.model.compute_logits(
+                    hidden[first + lo : first + hi], upcast=True, backend=self.config.attention_backend
+                )
+                lp = logits.float().log_softmax(dim=-1)  # [rows, V]
+                top_lp, top_ids = lp.topk(s.num_prompt_logprobs, dim=-1)  # [rows, k]
+                parts.append((lp.gather(1, targets[lo:hi, None]).squeeze(1), top_ids, top_lp))
+            lps, ids, tops = (torch.cat(x) for x in zip(*parts, strict=True))
+            out.append(
+                DevicePromptLogprobs(s.seq_id, s.num_computed_tokens, s.prompt_targets, lps, ids, tops)
+            )
+        return out
 
     def _run_model(self, inputs: StepInputs, key: GraphKey | None) -> torch.Tensor:
         """The forward over the staged input buffers: a graph replay, or eager."""
@@ -277,13 +336,19 @@ class ModelRunner:
             raise ValueError(f"a lookahead of {n} sequences fed {sampled.shape[0]} samples")
         input_ids[:n].copy_(sampled, non_blocking=True)
 
-    @torch.inference_mode()
     def launch_sampling(self, fwd: LaunchedForward | None, chain: bool = False) -> PendingStep | None:
         """Enqueue logits and sampling for a launched forward; `collect()` gets the tokens.
 
         `chain`: decide acceptance and the next step's drafts on the device, if the step allows it
         (`PendingStep.chain` says whether it did; a chained step always does).
         """
+        pending = self._launch_sampling(fwd, chain)
+        if pending is not None and fwd is not None and fwd.prompt_logprobs:
+            pending.prompt_logprobs = fwd.prompt_logprobs
+        return pending
+
+    @torch.inference_mode()
+    def _launch_sampling(self, fwd: LaunchedForward | None, chain: bool) -> PendingStep | None:
         if fwd is None:
             return None
         start, rows, groups = fwd.start, fwd.rows, fwd.groups
@@ -388,7 +453,8 @@ class ModelRunner:
         """Whether a step's sampling can be decided on the device and its chain go on without the
         host: no logprobs, nothing that reads earlier tokens (penalties, bans), and greedy unless
         the chain samples (SpeculativeDecoder.chain_samples)."""
-        if meta.penalties is not None or meta.ban_rows is not None or meta.max_num_logprobs >= 0:
+        edits = meta.penalties is not None or meta.ban_rows is not None or meta.bias_rows is not None
+        if edits or meta.max_num_logprobs >= 0:
             return False
         return meta.all_greedy or self.spec_decoder.chain_samples
 
@@ -526,14 +592,16 @@ class ModelRunner:
             result = self._collect(
                 pending.sampled, token_ids.tolist(), pending.rows, pending.groups, pending.meta.num_logprobs
             )
+        if pending.prompt_logprobs:
+            result.prompt_logprobs = [chunk.to_host() for chunk in pending.prompt_logprobs]
         self._gpu_mark_end(pending.start, pending.end)
         return result
 
     def _graph_key(self, sched: SchedulerOutput) -> GraphKey | None:
         """The captured graph for this step: decode steps, and steps whose every query is at most
         1 + K tokens (verification; a short prefill chunk may ride along), else None (eager)."""
-        if self.graphs is None:
-            return None
+        if self.graphs is None or any(s.prompt_targets for s in sched.sequences):
+            return None  # (prompt_logprobs read each input's hidden row: the eager layout)
         max_query_len = int(np.diff(sched.layout.query_start_loc).max())
         return self.graphs.select(len(sched.sequences), max_query_len)
 

@@ -33,7 +33,20 @@ def test_each_check_raises_its_message(prompt, n, limits, message):
     ],
 )
 def test_requests_at_the_limits_pass(prompt, n, limits):
-    check_request(prompt, SamplingParams(n=n), limits)
+    check_request(prompt, SamplingParams(n=n, max_tokens=1), limits)
+
+
+def test_prompt_plus_max_tokens_must_fit_the_pool():
+    """8 blocks of 4: a 10-token prompt (2 full blocks shared by the n sequences, 2 tokens in a
+    third) leaves 6 blocks: 24 KV slots, 23 new tokens for one sequence (the last one is sampled,
+    never fed: it needs no slot), 11 each for two."""
+    check_request([1] * 10, SamplingParams(max_tokens=23), LIMITS)
+    with pytest.raises(InvalidRequestError, match="at most 23 new tokens per sequence fit"):
+        check_request([1] * 10, SamplingParams(max_tokens=24), LIMITS)
+    check_request([1] * 10, SamplingParams(n=2, max_tokens=11), LIMITS)
+    with pytest.raises(InvalidRequestError, match=r"plus max_tokens \(12\) for n=2 .* at most 11 new"):
+        check_request([1] * 10, SamplingParams(n=2, max_tokens=12), LIMITS)
+    check_request([1] * 10, SamplingParams(max_tokens=None), LIMITS)  # to the context: checked as it runs
 
 
 @pytest.mark.parametrize(

@@ -165,3 +165,29 @@ def test_process_never_writes_into_the_logits():
     assert processed[1, 4] == float("-inf") and processed[0, 1] < logits[0, 1]
     greedy = Sampler().process(logits.bfloat16(), meta([row(0, temperature=0), row(1, temperature=0)]))
     assert greedy.dtype == torch.float32  # process() keeps its fp32 contract
+
+
+def test_logit_bias_removes_and_forces_tokens_per_row():
+    """OpenAI's logit_bias: -100 takes away the token greedy would pick, +100 forces one, and
+    each row keeps its own biases (one vectorized index_put_ for the batch)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    top = logits.argmax(-1).tolist()
+    rows = [
+        row(0, temperature=0.0, logit_bias={top[0]: -100.0}),
+        row(1, temperature=0.0, logit_bias={7: 100.0}),
+        row(2, temperature=0.0),
+    ]
+    out = Sampler()(logits, meta(rows)).token_ids.tolist()
+    second = logits[0].clone()
+    second[top[0]] = float("-inf")
+    assert out == [int(second.argmax()), 7, top[2]]
+    biased = [row(i, seed=i, pos=i, logit_bias={top[0]: -100.0}) for i in range(64)]
+    sampled = Sampler()(logits[:1].expand(64, V).contiguous(), meta(biased))
+    assert top[0] not in sampled.token_ids.tolist()  # (a -100 bias leaves it e^-100 of its mass)
+
+
+def test_top_k_minus_one_means_disabled():
+    assert SamplingParams(top_k=-1).top_k == 0
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
