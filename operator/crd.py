@@ -116,6 +116,12 @@ def _object(out: dict[str, Any], defs: dict[str, Any]) -> None:
         is_defaulted = name not in required and not is_optional_object
         if child.get("type") == "object" and "properties" in child and is_defaulted:
             child["default"] = _filled_default(child)
+        elif is_defaulted and "default" not in child and "anyOf" not in sub:
+            # default_factory lists and maps have no JSON-schema default: spell out the empty one.
+            if child.get("type") == "array":
+                child["default"] = []
+            elif child.get("type") == "object" and "additionalProperties" in child:
+                child["default"] = {}
         props[name] = child
 
 
@@ -216,9 +222,16 @@ def build_crd() -> dict[str, Any]:
     }
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """No &anchors / *aliases for shared sub-schemas: the file reads as written out."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def render_crd_yaml() -> str:
     """The committed file's exact text."""
-    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+    return HEADER + yaml.dump(build_crd(), Dumper=_PlainDumper, sort_keys=False, width=100)
 
 
 def main(argv: list[str] | None = None) -> int:
