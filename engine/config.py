@@ -146,7 +146,10 @@ class ServerConfig:
     http_port: int = 8000
     grpc_port: int = 50051
     api_key: str | None = None
-    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_origins: tuple[str, ...] = ()  # WebSocket Origins beyond the same origin; "*": any
+    allow_unknown_fields: bool = False  # accept (and log) request fields the API does not define
+    max_header_bytes: int = 64 << 10  # HTTP: all request headers together (431 above)
+    max_header_count: int = 100  # HTTP: request headers (431 above)
     max_ws_message_bytes: int = 1 << 20
     max_request_bytes: int = 4 << 20
     drain_timeout_seconds: float = 30.0

@@ -92,8 +92,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--api-key", default=None, help="require `Authorization: Bearer KEY` (or env PAGEDINFER_API_KEY)"
     )
     srv.add_argument(
-        "--allowed-origins", default="*", help="comma-separated WebSocket Origin allow-list, * for any"
+        "--allowed-origins",
+        default="",
+        help="comma-separated WebSocket Origin allow-list beyond the same origin (default), * for any",
     )
+    srv.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="accept request fields the API does not define (logged) instead of answering 400",
+    )
+    srv.add_argument("--max-header-bytes", type=int, default=ServerConfig.max_header_bytes)
+    srv.add_argument("--max-header-count", type=int, default=ServerConfig.max_header_count)
     srv.add_argument(
         "--drain-timeout", type=float, default=ServerConfig.drain_timeout_seconds, help="seconds"
     )
@@ -187,13 +196,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()) or ("*",)
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return ServerConfig(
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_origins=origins,
+        allow_unknown_fields=args.allow_unknown_fields,
+        max_header_bytes=args.max_header_bytes,
+        max_header_count=args.max_header_count,
         max_ws_message_bytes=args.max_ws_message_bytes,
         max_request_bytes=args.max_request_bytes,
         drain_timeout_seconds=args.drain_timeout,

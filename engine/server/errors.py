@@ -54,7 +54,7 @@ def classify(exc: BaseException) -> ClassifiedError:
     if isinstance(exc, ModelNotFoundError):  # a bad input like any other (HTTP 400), OpenAI's code
         return ClassifiedError(ErrorKind.INVALID, str(exc), code="model_not_found", param="model")
     if isinstance(exc, InvalidRequestError):
-        return ClassifiedError(ErrorKind.INVALID, str(exc))
+        return ClassifiedError(ErrorKind.INVALID, str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, NotServingError):
         return ClassifiedError(ErrorKind.UNAVAILABLE, str(exc), exc.retry_after_seconds)
     if isinstance(exc, EngineDeadError):

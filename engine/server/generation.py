@@ -34,6 +34,7 @@ class ModelNotFoundError(InvalidRequestError):
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None  # OpenAI's participant name: given to the chat template as `name`
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class GenerationStream:
         self._finish_reasons: dict[int, str] = {}
         self._final: RequestOutput | None = None
         self._closed = False
+        self.prompt_token_ids: list[int] = []  # set by GenerationService.open (echo reads it)
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -164,7 +166,13 @@ class GenerationService:
                 f"The model '{model}' does not exist; this server serves '{self.served_model_name}'"
             )
 
-    def prompt_token_ids(self, engine: Any, prompt: PromptInput) -> list[int]:
+    def prompt_token_ids(
+        self,
+        engine: Any,
+        prompt: PromptInput,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """Tokenize text or render chat messages with the model's template."""
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
         if sum(given) != 1:
@@ -172,11 +180,19 @@ class GenerationService:
         if prompt.token_ids is not None:
             return self._check_token_ids(engine, prompt.token_ids)
         if prompt.messages is not None:
-            return self._render_chat(engine, prompt.messages)
+            return self._render_chat(engine, prompt.messages, add_generation_prompt)
         assert prompt.text is not None
         if not prompt.text:
             raise InvalidRequestError("prompt must not be empty")
-        return list(engine.tokenizer.encode(prompt.text))
+        return list(engine.tokenizer.encode(prompt.text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids (each checked against the vocabulary)."""
+        engine = self.handle.require_engine()
+        if not token_ids:
+            return ""
+        ids = self._check_token_ids(engine, token_ids)
+        return engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _check_token_ids(self, engine: Any, token_ids: Sequence[int]) -> list[int]:
         vocab_size = engine.model_config.vocab_size
@@ -188,7 +204,9 @@ class GenerationService:
             raise InvalidRequestError(f"token id {bad} out of range [0, {vocab_size})")
         return ids
 
-    def _render_chat(self, engine: Any, messages: Sequence[ChatMessage]) -> list[int]:
+    def _render_chat(
+        self, engine: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not messages:
             raise InvalidRequestError("messages must not be empty")
         for m in messages:
@@ -197,11 +215,14 @@ class GenerationService:
                     f"unknown message role '{m.role}' (expected one of {', '.join(_ROLES)})"
                 )
         tokenizer = engine.tokenizer
-        dicts = [{"role": m.role, "content": m.content} for m in messages]
+        dicts = [
+            {"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {})
+            for m in messages
+        ]
         try:
             if hasattr(tokenizer, "encode_chat"):
-                return list(tokenizer.encode_chat(dicts, add_generation_prompt=True))
-            rendered = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+                return list(tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt))
+            rendered = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
         except InvalidRequestError:
             raise
         except ValueError as e:  # the tokenizer's ChatTemplateError: a bad conversation, not a crash
@@ -248,7 +269,9 @@ class GenerationService:
             self.handle.request_finished()
             self.spawn_abort(None, request_id, gen)
             raise
-        return GenerationStream(self, engine, request_id, first, gen)
+        stream = GenerationStream(self, engine, request_id, first, gen)
+        stream.prompt_token_ids = token_ids
+        return stream
 
     def spawn_abort(
         self, engine: Any, request_id: str, gen: Any, on_done: Callable[[], None] | None = None

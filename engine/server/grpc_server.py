@@ -1,8 +1,11 @@
-"""gRPC (grpc.aio): InferenceService, grpc.health.v1.Health and server reflection.
+"""gRPC (grpc.aio): InferenceService, grpc.health.v1.Health and server reflection (v1 and v1alpha).
 
 Cancelling a Generate call or letting its deadline pass cancels the handler; the stream's
 `aclose` then aborts the engine request, which frees its KV-cache blocks. Health reports
 NOT_SERVING until the model is loaded, while draining, and for good once the engine dies.
+Every request field is read; fields this server's messages do not define (a client built from a
+newer .proto) are refused with INVALID_ARGUMENT naming their numbers, unless the server runs with
+--allow-unknown-fields (request_fields.py).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedinfer.engine.config import ServerConfig
 from pagedinfer.engine.outputs import FinishReason, RequestOutput
@@ -76,8 +80,23 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logit_bias=dict(msg.logit_bias),
         **kwargs,
     )
+
+
+def unknown_field_paths(msg: Message, path: str = "") -> list[str]:
+    """Fields of `msg` (and the messages set in it) that its descriptor does not define, as
+    "path.#number" (protobuf keeps them as unknown fields; they would be ignored)."""
+    out = [f"{path}#{f.field_number}" for f in unknown_fields.UnknownFieldSet(msg)]
+    for field, value in msg.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue
+        items = value if field.is_repeated else [value]
+        for i, item in enumerate(items):
+            where = f"{path}{field.name}[{i}]." if field.is_repeated else f"{path}{field.name}."
+            out += unknown_field_paths(item, where)
+    return out
 
 
 def prompt_from_pb(request: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:
@@ -87,7 +106,15 @@ def prompt_from_pb(request: pb.GenerateRequest | pb.TokenizeRequest) -> PromptIn
     if which == "prompt_token_ids":
         return PromptInput(token_ids=tuple(request.prompt_token_ids.ids))
     if which == "chat":
-        return PromptInput(messages=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages))
+        messages = tuple(
+            ChatMessage(
+                "system" if m.role == "developer" else m.role,
+                m.content,
+                m.name if m.HasField("name") else None,
+            )
+            for m in request.chat.messages
+        )
+        return PromptInput(messages=messages)
     raise InvalidRequestError("set one of: prompt, prompt_token_ids, chat")
 
 
@@ -167,13 +194,28 @@ async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> 
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, service: GenerationService) -> None:
+    def __init__(self, service: GenerationService, allow_unknown_fields: bool = False) -> None:
         self.service = service
+        self.allow_unknown_fields = allow_unknown_fields
+
+    async def _check_request(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Malformed protobuf, or fields this server does not define: INVALID_ARGUMENT."""
+        await _reject_malformed(request, context)
+        unknown = unknown_field_paths(request)
+        if not unknown:
+            return
+        if not self.allow_unknown_fields:
+            names = ", ".join(unknown)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown fields (by number): {names}; this server does not read them",
+            )
+        logger.info("accepted unknown request fields (--allow-unknown-fields): %s", ", ".join(unknown))
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        await _reject_malformed(request, context)
+        await self._check_request(request, context)
         try:
             gen_request = GenerationRequest(
                 prompt=prompt_from_pb(request),
@@ -197,19 +239,31 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        await _reject_malformed(request, context)
+        await self._check_request(request, context)
         try:
             engine = self.service.handle.require_engine()
-            ids = self.service.prompt_token_ids(engine, prompt_from_pb(request))
+            prompt = prompt_from_pb(request)
+            ids = self.service.prompt_token_ids(engine, prompt, add_special_tokens=request.add_special_tokens)
         except Exception as e:
             await _abort_with(context, e)
             raise AssertionError("unreachable") from e  # context.abort raises
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=int(engine.max_model_len))
 
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        await self._check_request(request, context)
+        try:
+            text = self.service.detokenize(list(request.token_ids), request.skip_special_tokens)
+        except Exception as e:
+            await _abort_with(context, e)
+            raise AssertionError("unreachable") from e
+        return pb.DetokenizeResponse(text=text)
+
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        await _reject_malformed(request, context)
+        await self._check_request(request, context)
         try:
             engine = self.service.handle.require_engine()
         except Exception as e:
@@ -279,6 +333,11 @@ def _service_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
             request_deserializer=_lenient(pb.TokenizeRequest),
             response_serializer=pb.TokenizeResponse.SerializeToString,
         ),
+        "Detokenize": unary_unary(
+            servicer.Detokenize,
+            request_deserializer=_lenient(pb.DetokenizeRequest),
+            response_serializer=pb.DetokenizeResponse.SerializeToString,
+        ),
         "GetModelInfo": unary_unary(
             servicer.GetModelInfo,
             request_deserializer=_lenient(pb.GetModelInfoRequest),
@@ -286,6 +345,25 @@ def _service_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(names: tuple[str, ...], server: grpc.aio.Server) -> None:
+    """Server reflection as v1alpha (grpcio-reflection) and as v1, which grpcurl tries first:
+    v1's messages are v1alpha's under another package (same fields, same wire format), so the
+    one servicer answers both."""
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection.enable_server_reflection(names, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
 
 
 class GrpcServer:
@@ -303,7 +381,8 @@ class GrpcServer:
         ]
         interceptors = [_AuthInterceptor(auth)] if auth.enabled else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
-        self.server.add_generic_rpc_handlers((_service_handler(InferenceServicer(service)),))
+        servicer = InferenceServicer(service, config.allow_unknown_fields)
+        self.server.add_generic_rpc_handlers((_service_handler(servicer),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         service.handle.on_death(lambda: self.set_serving(False))  # the engine died while serving
@@ -311,8 +390,9 @@ class GrpcServer:
             SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
+            REFLECTION_V1,
         )
-        reflection.enable_server_reflection(names, self.server)
+        _enable_reflection(names, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {config.host}:{config.grpc_port}")

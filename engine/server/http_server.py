@@ -27,6 +27,7 @@ from pagedinfer.engine.server.errors import ClassifiedError, ErrorKind, classify
 from pagedinfer.engine.server.generation import GenerationService
 from pagedinfer.engine.server.openai_api import OpenAIRoutes
 from pagedinfer.engine.server.openai_protocol import error_body
+from pagedinfer.engine.server.tokenize_api import TokenizeRoutes
 from pagedinfer.engine.server.ws_gateway import WebSocketGateway
 
 logger = logging.getLogger("pagedinfer.server")
@@ -172,7 +173,8 @@ def build_app(service: GenerationService, config: ServerConfig, auth: ApiKeyAuth
     app.state.server_config = config
     _install_error_handlers(app)
     # Routes match in order: the OpenAI paths (the per-request hot path) before the probes.
-    app.include_router(OpenAIRoutes(service).router)
+    app.include_router(OpenAIRoutes(service, config.allow_unknown_fields).router)
+    app.include_router(TokenizeRoutes(service, config.allow_unknown_fields).router)
     _add_probe_routes(app, service)
     app.include_router(WebSocketGateway(service, config, auth).router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -1,4 +1,8 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE or not)."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE or not).
+
+Each handler first sorts the body's undeclared fields (request_fields.check_fields): a field
+that is neither read nor listed as having no effect is refused with a 400 that names it.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +18,18 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedinfer.engine.outputs import CompletionDelta, RequestOutput, SampleLogprobs
-from pagedinfer.engine.server.errors import classify
-from pagedinfer.engine.server.generation import GenerationService, GenerationStream, finish_reason_value
+from pagedinfer.engine.outputs import RequestOutput, RequestTiming, Usage
+from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.server.completions import CollectedChoice, PromptEcho, completion_choices
+from pagedinfer.engine.server.errors import ErrorKind, classify
+from pagedinfer.engine.server.generation import GenerationService, GenerationStream, PromptInput
 from pagedinfer.engine.server.json_body_route import JsonBodyRoute, json_response
 from pagedinfer.engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
+from pagedinfer.engine.server.request_fields import check_fields
 from pagedinfer.engine.server.sse_render import (
     DONE,
     SseRenderer,
     chat_logprobs,
-    completion_logprobs,
     timing_dict,
     usage_dict,
 )
@@ -32,24 +38,8 @@ __all__ = ["OpenAIRoutes", "timing_dict", "usage_dict"]  # ws_gateway reuses the
 
 
 @dataclass
-class _Choice:
-    text: str = ""
-    logprobs: list[SampleLogprobs] | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-    def add(self, delta: CompletionDelta) -> None:
-        self.text += delta.text
-        if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
-        if delta.finish_reason is not None:
-            self.finish_reason = finish_reason_value(delta.finish_reason)
-            self.error = delta.error
-
-
-@dataclass
 class _Collected:
-    choices: dict[int, _Choice] = field(default_factory=dict)
+    choices: dict[int, CollectedChoice] = field(default_factory=dict)
     final: RequestOutput | None = None
 
 
@@ -60,7 +50,7 @@ async def _collect(stream: GenerationStream, request: Request) -> _Collected | N
     async def drain() -> None:
         async for out in stream:
             for delta in out.deltas:
-                result.choices.setdefault(delta.index, _Choice()).add(delta)
+                result.choices.setdefault(delta.index, CollectedChoice()).add(delta)
             if out.finished:
                 result.final = out
 
@@ -86,16 +76,18 @@ def _sse(payload: dict) -> str:
 class OpenAIRoutes:
     """Builds the router; the handlers translate between OpenAI JSON and engine streams."""
 
-    def __init__(self, service: GenerationService) -> None:
+    def __init__(self, service: GenerationService, allow_unknown_fields: bool = False) -> None:
         self.service = service
+        self.allow_unknown_fields = allow_unknown_fields
         self.router = APIRouter()
         self.router.add_api_route("/v1/models", self.list_models, methods=["GET"])
+        self.router.add_api_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
         # The two per-request hot paths: one-pass body validation (json_body_route.py).
         hot = {"methods": ["POST"], "route_class_override": JsonBodyRoute}
         self.router.add_api_route("/v1/completions", self.completions, **hot)
         self.router.add_api_route("/v1/chat/completions", self.chat_completions, **hot)
 
-    async def list_models(self) -> dict:
+    def _model_card(self) -> dict:
         engine = self.service.handle.engine
         model = {
             "id": self.service.served_model_name,
@@ -105,29 +97,60 @@ class OpenAIRoutes:
         }
         if engine is not None:
             model["max_model_len"] = int(engine.max_model_len)
-        return {"object": "list", "data": [model]}
+        return model
+
+    async def list_models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def get_model(self, model_id: str) -> Any:
+        if model_id != self.service.served_model_name:
+            message = f"The model '{model_id}' does not exist; this server serves '{self.service.served_model_name}'"
+            body = error_body(message, ErrorKind.NOT_FOUND.value, code="model_not_found", param="model")
+            return JSONResponse(body, status_code=404)
+        return self._model_card()
 
     # `-> Any` although both return a Response: the OpenAPI document keeps its response schemas.
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        stream = await self.service.open(body.to_generation())
+        check_fields(body, self.allow_unknown_fields)
+        generations = body.to_generations()
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
+            _check_streamable(body, len(generations))
+            stream = await self.service.open(generations[0])
             return self._stream(stream, rid, created, "text_completion", body.include_usage)
-        collected = await _collect(stream, request)
-        if collected is None:
+        streams: list[GenerationStream] = []
+        try:
+            for generation in generations:
+                streams.append(await self.service.open(generation))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        results = await asyncio.gather(*(_collect(stream, request) for stream in streams))
+        if any(r is None for r in results):
             return JSONResponse({}, status_code=499)
-        choices = [
-            {
-                "index": i,
-                "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for i, c in sorted(collected.choices.items())
-        ]
-        return self._final_body(collected, rid, created, "text_completion", choices)
+        choices: list[dict] = []
+        for i, (stream, result) in enumerate(zip(streams, results, strict=True)):
+            echo = self._prompt_echo(generations[i].prompt, stream.prompt_token_ids)
+            choices += completion_choices(body, i, result.choices, echo)
+        usages = [r.final.usage for r in results if r.final is not None and r.final.usage is not None]
+        usage = _sum_usage(usages, prompt_only=body.is_prompt_only)
+        timing = results[0].final.timing if len(results) == 1 and results[0].final is not None else None
+        return self._body(rid, created, "text_completion", choices, usage, timing)
+
+    def _prompt_echo(self, prompt: PromptInput, token_ids: list[int]) -> PromptEcho | None:
+        engine = self.service.handle.engine
+        if engine is None or not token_ids:
+            return None
+        tokenizer = engine.tokenizer
+        text = (
+            prompt.text if prompt.text is not None else tokenizer.decode(token_ids, skip_special_tokens=False)
+        )
+        first = tokenizer.decode(token_ids[:1], skip_special_tokens=False)
+        return PromptEcho(text, first, token_ids[0])
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        check_fields(body, self.allow_unknown_fields)
         stream = await self.service.open(body.to_generation())
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
@@ -142,20 +165,31 @@ class OpenAIRoutes:
                 "logprobs": chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
+            | ({"error": c.error} if c.error is not None else {})
             for i, c in sorted(collected.choices.items())
         ]
-        return self._final_body(collected, rid, created, "chat.completion", choices)
-
-    def _final_body(self, collected: _Collected, rid: str, created: int, obj: str, choices: list) -> Response:
         final = collected.final
+        usage = usage_dict(final.usage) if final is not None else None
+        timing = final.timing if final is not None else None
+        return self._body(rid, created, "chat.completion", choices, usage, timing)
+
+    def _body(
+        self,
+        rid: str,
+        created: int,
+        obj: str,
+        choices: list,
+        usage: dict | None,
+        timing: RequestTiming | None,
+    ) -> Response:
         body = {
             "id": rid,
             "object": obj,
             "created": created,
             "model": self.service.served_model_name,
             "choices": choices,
-            "usage": usage_dict(final.usage if final else None),
-            "timing": timing_dict(final.timing if final else None),
+            "usage": usage,
+            "timing": timing_dict(timing),
         }
         return json_response(body)
 
@@ -165,6 +199,31 @@ class OpenAIRoutes:
         renderer = SseRenderer(rid, created, self.service.served_model_name, obj, include_usage)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return SseResponse(_sse_events(stream, renderer), media_type="text/event-stream", headers=headers)
+
+
+def _check_streamable(body: CompletionRequest, num_prompts: int) -> None:
+    """What a streamed completion does not do (yet): refused by name rather than ignored."""
+    for name, refused in (
+        ("prompt", num_prompts > 1),
+        ("echo", body.echo),
+        ("prompt_logprobs", body.prompt_logprobs is not None),
+    ):
+        if refused:
+            raise InvalidRequestError(f"{name}: not supported with stream=true", param=name)
+
+
+def _sum_usage(usages: list[Usage], prompt_only: bool) -> dict | None:
+    """Usage of several prompts' requests together (echo with max_tokens 0: no completion)."""
+    if not usages:
+        return None
+    total = Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=0 if prompt_only else sum(u.completion_tokens for u in usages),
+        cached_prompt_tokens=sum(u.cached_prompt_tokens for u in usages),
+        draft_tokens=sum(u.draft_tokens for u in usages),
+        accepted_draft_tokens=sum(u.accepted_draft_tokens for u in usages),
+    )
+    return usage_dict(total)
 
 
 class SseResponse(StreamingResponse):

@@ -28,6 +28,7 @@ from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.engine_handle import EngineHandle, EngineLoader, default_loader
 from pagedinfer.engine.server.generation import GenerationService
 from pagedinfer.engine.server.grpc_server import GrpcServer
+from pagedinfer.engine.server.http_limits import limited_http_protocol
 from pagedinfer.engine.server.http_server import build_app
 
 logger = logging.getLogger("pagedinfer.server")
@@ -90,6 +91,7 @@ class ServerProcess:
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=5,
+            http=limited_http_protocol(cfg.max_header_bytes, cfg.max_header_count),
         )
         return _Uvicorn(config)
 

@@ -85,7 +85,11 @@ def completion_logprobs(items: list[SampleLogprobs] | None, offset: int = 0) -> 
 
 
 def _finish_json(d: CompletionDelta) -> str:
-    return "null" if d.finish_reason is None else _quote(finish_reason_value(d.finish_reason))
+    """The finish reason, and with finish_reason "error" the engine's message (as "error")."""
+    if d.finish_reason is None:
+        return "null"
+    reason = _quote(finish_reason_value(d.finish_reason))
+    return reason if d.error is None else f'{reason},"error":{_quote(d.error)}'
 
 
 class SseRenderer:

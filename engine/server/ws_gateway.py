@@ -23,17 +23,17 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from pagedinfer.engine.config import ServerConfig
+from pagedinfer.engine.sampling_params import InvalidRequestError
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.errors import ClassifiedError, ErrorKind, classify
 from pagedinfer.engine.server.generation import (
-    ChatMessage,
     GenerationRequest,
     GenerationService,
     PromptInput,
@@ -41,6 +41,7 @@ from pagedinfer.engine.server.generation import (
 )
 from pagedinfer.engine.server.openai_api import timing_dict, usage_dict
 from pagedinfer.engine.server.openai_protocol import DEFAULT_MAX_TOKENS, ChatMessageIn, _SamplingFields
+from pagedinfer.engine.server.request_fields import check_fields
 from pagedinfer.engine.server.sse_render import chat_logprobs
 
 logger = logging.getLogger("pagedinfer.server")
@@ -49,6 +50,7 @@ WS_POLICY_VIOLATION = 1008
 
 
 class WsGenerate(_SamplingFields):
+    type: Literal["generate"]
     id: str = Field(min_length=1, max_length=128)
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -59,7 +61,7 @@ class WsGenerate(_SamplingFields):
     def to_generation(self) -> GenerationRequest:
         messages = None
         if self.messages is not None:
-            messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
+            messages = tuple(m.to_message() for m in self.messages)
         token_ids = tuple(self.prompt_token_ids) if self.prompt_token_ids is not None else None
         prompt = PromptInput(text=self.prompt, token_ids=token_ids, messages=messages)
         params = self._sampling(self.max_tokens, self.logprobs)
@@ -77,10 +79,13 @@ def _error_msg(err: ClassifiedError, gen_id: str | None) -> dict[str, Any]:
 class _Connection:
     """One socket: a send lock (frames from many generations interleave) and its live generations."""
 
-    def __init__(self, ws: WebSocket, service: GenerationService, max_bytes: int) -> None:
+    def __init__(
+        self, ws: WebSocket, service: GenerationService, max_bytes: int, allow_unknown_fields: bool = False
+    ) -> None:
         self.ws = ws
         self.service = service
         self.max_bytes = max_bytes
+        self.allow_unknown_fields = allow_unknown_fields
         self.lock = asyncio.Lock()
         self.tasks: dict[str, asyncio.Task] = {}
 
@@ -124,6 +129,11 @@ class _Connection:
             where = ".".join(str(p) for p in first["loc"]) or "message"
             await self.error(ErrorKind.INVALID, f"{where}: {first['msg']}", gen_id)
             return
+        try:
+            check_fields(request, self.allow_unknown_fields)
+        except InvalidRequestError as e:
+            await self.error(ErrorKind.INVALID, str(e), gen_id)
+            return
         if request.id in self.tasks:
             await self.error(
                 ErrorKind.INVALID, f"generation id {request.id!r} is already running", request.id
@@ -149,6 +159,8 @@ class _Connection:
                     if fr is not None:
                         finish[d.index] = fr
                     delta = {"index": d.index, "text": d.text, "token_ids": d.token_ids, "finish_reason": fr}
+                    if d.error is not None:  # finish_reason "error": the engine's message
+                        delta["error"] = d.error
                     if d.logprobs is not None:  # (the chat API's per-token entries)
                         delta["logprobs"] = chat_logprobs(d.logprobs)["content"]
                     deltas.append(delta)
@@ -202,7 +214,9 @@ class WebSocketGateway:
             await ws.close(code=WS_POLICY_VIOLATION, reason="origin not allowed")
             return
         await ws.accept()
-        conn = _Connection(ws, self.service, self.config.max_ws_message_bytes)
+        conn = _Connection(
+            ws, self.service, self.config.max_ws_message_bytes, self.config.allow_unknown_fields
+        )
         try:
             if not await self._authenticate(conn):
                 return

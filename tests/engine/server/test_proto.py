@@ -20,7 +20,7 @@ def test_service_surface() -> None:
     service = pb.DESCRIPTOR.services_by_name["InferenceService"]
     assert service.full_name == "pagedinfer.v1.InferenceService"
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Tokenize", "GetModelInfo"}
+    assert set(methods) == {"Generate", "Tokenize", "Detokenize", "GetModelInfo"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=3), priority=2)
     assert pb.GenerateRequest.FromString(request.SerializeToString()) == request
