@@ -22,6 +22,12 @@ def test_kustomization_applies_server_side(cli: Cli, crds: None):
     assert "serverside-applied" in again
     role = cli.get("clusterrole", "pagedinfer-operator")
     assert role is not None and any("inferencepools" in r.get("resources", []) for r in role["rules"])
+    # Remove what it installed except the CRDs, which the other tests share.
+    cli.kubectl("delete", "namespace", "pagedinfer-system", "--wait=false")
+    for kind in ("clusterrole", "clusterrolebinding"):
+        for name in ("pagedinfer-operator", "pagedinfer-operator-discovery"):
+            cli.kubectl("delete", kind, name, "--ignore-not-found")
+    cli.kubectl("delete", "clusterkopfpeering", "pagedinfer-operator", "--ignore-not-found")
 
 
 def test_namespaced_rbac_applies(cli: Cli, crds: None, namespace: str):

@@ -39,7 +39,7 @@ def test_sample_is_valid_and_renders(path: Path):
     assert schema_errors(SCHEMA, cr) == []
     assert cel_violations(SCHEMA, apply_defaults(SCHEMA, cr)) == []
     spec = InferenceEngineSpec.model_validate(cr["spec"])
-    ref = EngineRef(cr["metadata"]["name"], cr["metadata"]["namespace"], "uid")
+    ref = EngineRef(cr["metadata"]["name"], cr["metadata"].get("namespace", "default"), "uid")
     for item in desired_state(RenderInput(ref, spec, OperatorConfig())):
         if item.body is not None and item.resource is not res.SERVICE_MONITOR:
             assert kubernetes_validate.validate(item.body, "1.30.0", strict=True)
