@@ -357,14 +357,24 @@ async def test_autoscaler_owns_the_replica_count(api: Api):
 
 
 async def test_watches_only_its_namespaces(api: Api):
-    api.require_kmock("needs a second namespace")
-    api.server.namespaces.add("team-a")
-    async with operator(api, namespaces=("team-a",)):
-        other = Api(api.client, api.configuration, "team-a", api.server)
-        await api.create_engine("ignored", SMOL)
-        await other.create_engine("mine", SMOL)
-        await eventually(lambda: other.get(res.DEPLOYMENT, "mine"))
-        assert await api.get(res.DEPLOYMENT, "ignored") is None
+    team = f"{api.namespace}-team-a"
+    if api.is_kmock:
+        api.server.namespaces.add(team)
+    else:
+        ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": team}}
+        await api.client.request("POST", "/api/v1/namespaces", body=ns)
+    try:
+        async with operator(api, namespaces=(team,)):
+            other = Api(api.client, api.configuration, team, api.server)
+            await api.create_engine("ignored", SMOL)
+            await other.create_engine("mine", SMOL)
+            await eventually(lambda: other.get(res.DEPLOYMENT, "mine"))
+            assert await api.get(res.DEPLOYMENT, "ignored") is None
+            await api.client.delete(res.INFERENCE_ENGINE, team, "mine")  # its finalizer goes while we run
+            await eventually(lambda: _gone(other, res.INFERENCE_ENGINE, "mine"))
+    finally:
+        if not api.is_kmock:
+            await api.client.request("DELETE", f"/api/v1/namespaces/{team}")
 
 
 async def test_live_stats_from_pod_metrics(api: Api, unused_tcp_port: int):
