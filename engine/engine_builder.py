@@ -22,6 +22,8 @@ from pagedinfer.engine.spec_decode.factory import (
     draft_blocks_per_seq,
     load_draft_model,
 )
+from pagedinfer.engine.structured.compiler import GrammarCompiler
+from pagedinfer.engine.structured.masks import GrammarMasker
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.model_runner import ModelRunner, RunnerConfig
 from pagedinfer.kernels import ops
@@ -97,6 +99,8 @@ def assemble_engine(
             max_verify_seqs=spec_cfg.max_batch_size,
         ),
     )
+    if tokenizer is not None:  # structured outputs compile against the tokenizer's vocabulary
+        runner.grammar = GrammarMasker(GrammarCompiler(tokenizer, mc.vocab_size, eos), device)
     on_phase("capturing_graphs")
     runner.capture_cuda_graphs()
     watermark = int(num_blocks * sched_cfg.watermark_blocks_fraction)

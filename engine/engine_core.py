@@ -29,7 +29,7 @@ from pagedinfer.engine.output_processor import OutputProcessor
 from pagedinfer.engine.outputs import RequestOutput
 from pagedinfer.engine.request import Request
 from pagedinfer.engine.request_checks import RequestLimits, check_request
-from pagedinfer.engine.sampling_params import SamplingParams
+from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,13 @@ class EngineCore:
             self.scheduler.config.max_num_seqs,
         )
         check_request(prompt_token_ids, params, limits)
+        if params.structured_output is not None:  # compiled once (cached): a bad grammar is a 400
+            grammar = getattr(self.runner, "grammar", None)
+            if grammar is None:
+                raise InvalidRequestError(
+                    "structured outputs need the model's tokenizer; this model has none"
+                )
+            grammar.check(params.structured_output)
 
     def check_capacity(self) -> None:
         if self.scheduler.num_waiting >= self.scheduler.config.max_waiting_requests:

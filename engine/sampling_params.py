@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (spec.py imports InvalidRequestError from here)
+    from pagedinfer.engine.structured.spec import StructuredOutput
 
 
 class InvalidRequestError(ValueError):
@@ -41,6 +45,8 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs added to the logits before sampling, sorted by id
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None  # k >= 0: each prompt token's logprob plus the top-k (vLLM)
+    # a grammar the output must match (JSON schema, regex, choice, EBNF/Lark); None: free text
+    structured_output: StructuredOutput | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     MAX_N = 16
@@ -73,7 +79,12 @@ class SamplingParams:
         chains, which draw from raw logits). What a request must be to join a chained
         step; one with min_tokens still rides a chain that starts after its bans have lifted (the
         runner checks the first step's metadata: model_runner._chain_may_decide)."""
-        return not self.has_penalties and self.min_tokens == 0 and not self.logit_bias
+        return (
+            not self.has_penalties
+            and self.min_tokens == 0
+            and not self.logit_bias
+            and self.structured_output is None  # its mask reads the tokens before (structured/masks.py)
+        )
 
     @property
     def is_plain_greedy(self) -> bool:

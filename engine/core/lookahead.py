@@ -66,6 +66,8 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
         params = row.sampling_params
         if params.logprobs is not None or params.has_penalties:
             return None
+        if params.structured_output is not None:  # its grammar mask needs N's token on the host
+            return None
         position = s.num_computed_tokens + len(s.token_ids)  # where N's sampled token goes
         if seq.num_kv_tokens != position or seq.num_computed_tokens != s.num_computed_tokens:
             return None  # N's tokens already applied, or KV reserved beyond N's inputs

@@ -34,6 +34,9 @@ class SamplingMetadata:
     ban_rows: torch.Tensor | None = None  # [M] int64 (min_tokens bans)
     ban_token_ids: torch.Tensor | None = None  # [M] int64
     any_greedy: bool = True  # False: every row samples (no argmax row to merge in)
+    # [N, ceil(V / 32)] int32 allowed-token bits of grammar rows (-1: unconstrained), set by the
+    # runner (engine/structured/masks.py); None: no row has a grammar
+    grammar_bitmask: torch.Tensor | None = None
     bias_rows: torch.Tensor | None = None  # [M] int64 (logit_bias entries: row, token, bias)
     bias_token_ids: torch.Tensor | None = None  # [M] int64
     bias_values: torch.Tensor | None = None  # [M] fp32

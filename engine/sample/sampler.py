@@ -15,6 +15,7 @@ import torch
 from pagedinfer.engine.sample.metadata import SamplingMetadata
 from pagedinfer.engine.sample.penalties import apply_penalties, ban_tokens
 from pagedinfer.engine.sample.rng import hash_uniform
+from pagedinfer.engine.structured.masks import apply_token_bitmask
 from pagedinfer.kernels.argmax import argmax_rows
 
 _TINY = 1e-30
@@ -58,7 +59,13 @@ def is_plain_greedy(meta: SamplingMetadata) -> bool:
     Exact on half-precision logits too: upcasting to fp32 keeps the order and the first maximum,
     so such a batch needs neither LlamaForCausalLM.compute_logits' upcast nor process()'s copy.
     """
-    return meta.all_greedy and meta.penalties is None and meta.ban_rows is None and meta.bias_rows is None
+    return (
+        meta.all_greedy
+        and meta.penalties is None
+        and meta.ban_rows is None
+        and meta.bias_rows is None
+        and meta.grammar_bitmask is None
+    )
 
 
 class Sampler:
@@ -79,6 +86,8 @@ class Sampler:
             logits.index_put_((meta.bias_rows, meta.bias_token_ids), meta.bias_values, accumulate=True)
         if meta.ban_rows is not None:
             logits = ban_tokens(logits, meta.ban_rows, meta.ban_token_ids)
+        if meta.grammar_bitmask is not None:  # structured outputs: what the grammar forbids is -inf
+            logits = apply_token_bitmask(logits, meta.grammar_bitmask)
         if meta.all_greedy:
             return logits
         logits = logits / meta.temperature[:, None]

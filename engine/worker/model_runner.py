@@ -30,6 +30,7 @@ from pagedinfer.engine.core.scheduler_output import (
 from pagedinfer.engine.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
 from pagedinfer.engine.sample.sampler import Sampler, SamplerOutput, is_plain_greedy
 from pagedinfer.engine.spec_decode.device_chain import ChainStep, HostChainStep
+from pagedinfer.engine.structured.masks import GrammarMasker
 from pagedinfer.engine.worker.cuda_graphs import CudaGraphRunner, GraphKey, default_buckets, graph_keys
 from pagedinfer.engine.worker.input_batch import InputBatch, StepInputs
 from pagedinfer.kernels import ops
@@ -177,6 +178,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_metadata = SamplingMetadataBuilder(self.vocab_size, config.device)
         self.verifier: Verifier = PrefixMatchVerifier()
+        self.grammar: GrammarMasker | None = None  # structured outputs (None: no tokenizer)
         self.spec_decoder = None  # spec_decode.SpeculativeDecoder: samples steps that carry drafts
         self.graphs: CudaGraphRunner | None = None
         self._prev_end: torch.cuda.Event | None = None
@@ -359,6 +361,8 @@ class ModelRunner:
         # Sampling metadata is built on the CPU (pinned, async copies) while the GPU runs the forward.
         eos = [self.config.eos_token_ids] * len(rows)
         meta = self.sampling_metadata.build(rows, eos)
+        if self.grammar is not None:
+            meta.grammar_bitmask = self.grammar.bitmask(rows, groups)
         if chain:
             pending = self._launch_chained(fwd, meta)
             if pending is not None:
@@ -455,6 +459,8 @@ class ModelRunner:
         the chain samples (SpeculativeDecoder.chain_samples)."""
         edits = meta.penalties is not None or meta.ban_rows is not None or meta.bias_rows is not None
         if edits or meta.max_num_logprobs >= 0:
+            return False
+        if meta.grammar_bitmask is not None:  # the next step's masks need this step's tokens
             return False
         return meta.all_greedy or self.spec_decoder.chain_samples
 
