@@ -36,6 +36,7 @@ from pagedinfer.operator.errors import ApiError, SpecError
 from pagedinfer.operator.events import post_event
 from pagedinfer.operator.k8s import KubeClient
 from pagedinfer.operator.metrics import OperatorMetrics
+from pagedinfer.operator.pod_health import pod_problem
 from pagedinfer.operator.spec import InferenceEngineSpec
 from pagedinfer.operator.stats import Scraper, aggregate, scrape_targets
 from pagedinfer.operator.status import ConditionType, Phase
@@ -145,6 +146,11 @@ async def _reconcile(ctx: OperatorContext, ref: meta.EngineRef, body: Any, state
         return Outcome({}, written, error=exc)
     counts = ReplicaCounts.of(deployment, initial_replicas(inp.spec))
     phase, conds = workload_conditions(deployment, counts)
+    if deployment is not None and counts.ready < counts.desired:
+        # Pods that cannot start say why; the Deployment only counts them.
+        stuck = pod_problem(await ctx.client.list(res.POD, ref.namespace, meta.selector_string(ref)))
+        if stuck is not None:
+            conds = [c for c in conds if c.type != stuck.type] + [stuck]
     extra_fields = {
         "replicas": counts.current,
         "readyReplicas": counts.ready,
