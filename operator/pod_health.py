@@ -58,3 +58,36 @@ def pod_problem(pods: list[dict[str, Any]]) -> Cond | None:
                 message = f"pod {name}: {cond.get('message', '')}"
                 return Cond(ConditionType.DEGRADED.value, TRUE, "Unschedulable", message[:MAX_MESSAGE])
     return None
+
+
+def loading_pod_urls(pods: list[dict[str, Any]], port: int) -> dict[str, str]:
+    """/startup URLs of running pods that are not ready yet, by pod name."""
+    urls = {}
+    for pod in pods:
+        status = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
+        ip = status.get("podIP")
+        if (
+            ip
+            and not ready
+            and status.get("phase") == "Running"
+            and not pod["metadata"].get("deletionTimestamp")
+        ):
+            host = f"[{ip}]" if ":" in ip else ip
+            urls[pod["metadata"]["name"]] = f"http://{host}:{port}/startup"
+    return urls
+
+
+def failed_startup(reports: dict[str, dict[str, Any] | None]) -> Cond | None:
+    """A Degraded condition for the first pod whose engine reports a failed load, else None.
+
+    A failed load keeps /startup at 503, so the startup probe alone would wait out the whole
+    startup budget before Kubernetes says anything; the engine's own error is the useful part."""
+    for name in sorted(reports):
+        report = reports[name] or {}
+        if report.get("state") == "failed" or report.get("phase") == "failed":
+            message = f"pod {name}: the engine failed to start: {report.get('error', 'no error given')}"
+            return Cond(ConditionType.DEGRADED.value, TRUE, "EngineFailed", message[:MAX_MESSAGE])
+    return None

@@ -36,7 +36,7 @@ from pagedinfer.operator.errors import ApiError, SpecError
 from pagedinfer.operator.events import post_event
 from pagedinfer.operator.k8s import KubeClient
 from pagedinfer.operator.metrics import OperatorMetrics
-from pagedinfer.operator.pod_health import pod_problem
+from pagedinfer.operator.pod_health import failed_startup, loading_pod_urls, pod_problem
 from pagedinfer.operator.spec import InferenceEngineSpec
 from pagedinfer.operator.stats import Scraper, aggregate, scrape_targets
 from pagedinfer.operator.status import ConditionType, Phase
@@ -147,8 +147,7 @@ async def _reconcile(ctx: OperatorContext, ref: meta.EngineRef, body: Any, state
     counts = ReplicaCounts.of(deployment, initial_replicas(inp.spec))
     phase, conds = workload_conditions(deployment, counts)
     if deployment is not None and counts.ready < counts.desired:
-        # Pods that cannot start say why; the Deployment only counts them.
-        stuck = pod_problem(await ctx.client.list(res.POD, ref.namespace, meta.selector_string(ref)))
+        stuck = await _stuck_pods(ctx, inp)
         if stuck is not None:
             conds = [c for c in conds if c.type != stuck.type] + [stuck]
     extra_fields = {
@@ -165,6 +164,20 @@ async def _reconcile(ctx: OperatorContext, ref: meta.EngineRef, body: Any, state
     status = _status(previous, phase, ref, conds + extra, extra=extra_fields)
     written = await _write_status(ctx, ref, state, previous, status)
     return Outcome(actions, written)
+
+
+async def _stuck_pods(ctx: OperatorContext, inp: RenderInput) -> Cond | None:
+    """Why pods that should serve do not: the Deployment only counts them, the pods say why
+    (a missing image, a crash loop), and a running engine's /startup says a load failed."""
+    pods = await ctx.client.list(res.POD, inp.ref.namespace, meta.selector_string(inp.ref))
+    stuck = pod_problem(pods)
+    if stuck is not None:
+        return stuck
+    urls = loading_pod_urls(pods, inp.spec.service.http_port)
+    if not urls:
+        return None
+    reports = await asyncio.gather(*(ctx.scraper.startup_report(u) for u in urls.values()))
+    return failed_startup(dict(zip(urls, reports, strict=True)))
 
 
 async def _apply_all(

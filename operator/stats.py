@@ -78,9 +78,23 @@ class Scraper:
             await self._session.close()
             self._session = None
 
-    async def _one(self, url: str) -> PodSample | None:
+    def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def startup_report(self, url: str) -> dict[str, Any] | None:
+        """A pod's /startup JSON (answered with 503 until it serves); None when it does not answer."""
+        async with self._limit:
+            try:
+                async with self._client().get(url) as resp:
+                    body = await resp.json(content_type=None)
+                    return body if isinstance(body, dict) else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return None
+
+    async def _one(self, url: str) -> PodSample | None:
+        self._client()
         async with self._limit:
             try:
                 async with self._session.get(url) as resp:

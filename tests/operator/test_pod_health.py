@@ -59,3 +59,18 @@ def test_terminating_pods_are_ignored():
     pod = _pod("e-5", containerStatuses=[_waiting("CrashLoopBackOff")])
     pod["metadata"]["deletionTimestamp"] = "2026-12-07T00:00:00Z"
     assert pod_problem([pod]) is None
+
+
+def test_running_unready_pods_are_asked_for_startup_and_a_failed_load_is_reported():
+    from pagedinfer.operator.pod_health import failed_startup, loading_pod_urls
+
+    loading = _pod(
+        "e-6", phase="Running", podIP="10.244.0.7", conditions=[{"type": "Ready", "status": "False"}]
+    )
+    ready = _pod("e-7", phase="Running", podIP="10.244.0.8", conditions=[{"type": "Ready", "status": "True"}])
+    assert loading_pod_urls([loading, ready], 8000) == {"e-6": "http://10.244.0.7:8000/startup"}
+    assert failed_startup({"e-6": {"state": "loading", "phase": "loading_weights"}, "e-7": None}) is None
+    cond = failed_startup({"e-6": {"state": "failed", "phase": "failed", "error": "unknown model 'nope'"}})
+    assert (
+        cond.reason == "EngineFailed" and "pod e-6" in cond.message and "unknown model 'nope'" in cond.message
+    )
