@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh Debian machine (Python 3.11, no GPU needed).
 #   scripts/setup.sh          runtime: ./.venv with the engine and the embedded model
-#   scripts/setup.sh --dev    also test tools: gtest, clang-format, chromium, helm, kubectl
+#   scripts/setup.sh --dev    also test tools: gtest, clang-format, chromium, helm, kubectl,
+#                             podman, debootstrap and a node's containerd (tests/e2e)
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,9 @@ apt_install() {
 apt_install build-essential cmake ninja-build python3-venv
 if [[ $DEV -eq 1 ]]; then
   apt_install libgtest-dev clang-format chromium
+  # The real node of ../shared/k8s (tests/e2e): containerd + CNI, and podman + debootstrap to
+  # build the images without a registry.
+  apt_install podman debootstrap containerd runc containernetworking-plugins iptables conntrack
 fi
 
 [[ -x .venv/bin/python ]] || python3 -m venv .venv

@@ -52,6 +52,18 @@ if [[ $K8S_STARTED -eq 1 ]]; then
   fi
   tail -n 1 "$K8S_UP_LOG"
   export KUBECONFIG=$PWD/.k8s/kubeconfig
+  # A real node (pods run: tests/e2e) where its packages are installed (setup.sh --dev does).
+  if command -v containerd >/dev/null && command -v podman >/dev/null; then
+    echo "== Kubernetes: starting the real node"
+    if ! "$K8S/node-up.sh" >build/k8s-node.log 2>&1; then
+      cat build/k8s-node.log
+      echo "the real node failed to start" >&2
+      exit 1
+    fi
+    tail -n 1 build/k8s-node.log
+  else
+    echo "== Kubernetes: no containerd/podman: the node suite (tests/e2e) will be skipped"
+  fi
 fi
 
 echo "== pytest"

@@ -20,14 +20,16 @@ if _AT_ROOT:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
-    """One line counting the real-cluster tests by outcome, so a CI log shows they ran."""
-    counts: dict[str, int] = {}
-    for outcome in ("passed", "failed", "error", "skipped"):
-        for report in terminalreporter.stats.get(outcome, []):
-            if "cluster" in getattr(report, "keywords", {}) and report.when in ("call", "setup"):
+    """One line per real-Kubernetes marker counting its tests by outcome, so a CI log shows they ran."""
+    where = os.environ.get("KUBECONFIG") or "no KUBECONFIG"
+    for marker, what in (("cluster", "real-cluster"), ("node", "real-node")):
+        counts: dict[str, int] = {}
+        for outcome in ("passed", "failed", "error", "skipped"):
+            for report in terminalreporter.stats.get(outcome, []):
+                if marker not in getattr(report, "keywords", {}) or report.when not in ("call", "setup"):
+                    continue
                 if outcome == "passed" and report.when != "call":
                     continue
                 counts[outcome] = counts.get(outcome, 0) + 1
-    line = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none collected"
-    where = os.environ.get("KUBECONFIG") or "no KUBECONFIG"
-    terminalreporter.write_line(f"real-cluster tests (marker cluster, {where}): {line}")
+        line = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none collected"
+        terminalreporter.write_line(f"{what} tests (marker {marker}, {where}): {line}")
