@@ -70,6 +70,8 @@ make_base() {
   trap "rm -rf '$rootfs'" EXIT
   log "making $BASE_IMAGE with debootstrap (once)"
   debootstrap --variant=minbase bookworm "$rootfs" "$DEBIAN_MIRROR" >&2
+  # debootstrap keeps the .debs it installed and apt's lists: ~100 MB no image needs.
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/lib/apt/lists/*
   tar -C "$rootfs" -c . | pod import - "$BASE_IMAGE" >&2
   rm -rf "$rootfs"
   trap - EXIT

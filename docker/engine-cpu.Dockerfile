@@ -65,12 +65,17 @@ RUN pip install --no-cache-dir "grpcio-tools==${GRPCIO_TOOLS_VERSION}" \
     && python -m pagedinfer.engine.server.proto_gen \
     && pip uninstall -y grpcio-tools \
     && rm -rf /opt/proto
-# Parts of the torch wheel a server never runs: C++ test binaries, headers (only for
-# compiling extensions, and the runtime has no compiler), protoc. torch_shm_manager stays.
+# What a CPU server never runs: triton (~1 GB; xgrammar pulls it in on x86-64 Linux but
+# imports it only for its GPU kernel, and the engine's CPU path is the PyTorch reference),
+# torch's C++ test binaries, headers (only for compiling extensions; the runtime has no
+# compiler) and protoc (~190 MB; torch_shm_manager stays), pip.
 RUN site="$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+    && python -m pip uninstall -y triton \
     && rm -rf "${site}/torch/test" "${site}/torch/include" "${site}/torch/share" \
     && find "${site}/torch/bin" -type f ! -name torch_shm_manager -delete \
-    && python -c "import torch, pagedinfer._native; from pagedinfer.engine.server.proto_gen import inference_pb2"
+    && python -c "import torch, pagedinfer._native, pagedinfer.engine.server.serve; from pagedinfer.engine.server.proto_gen import inference_pb2" \
+    && python -c "import importlib.util as u; u.find_spec('xgrammar') and __import__('xgrammar')" \
+    && python -m pip uninstall -y pip
 
 # ---- runtime: no compilers, non-root, read-only-root friendly (writes only to /tmp) ----
 FROM ${BASE_IMAGE} AS runtime
@@ -79,6 +84,7 @@ ARG UID=1000
 RUN if ! command -v python3 >/dev/null; then \
       apt-get update \
       && apt-get install -y --no-install-recommends python3 \
+      && apt-get clean \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
     && groupadd --gid "${UID}" pagedinfer \

@@ -3,6 +3,10 @@
 #   docker build -f docker/engine-cuda.Dockerfile -t ghcr.io/pagedinfer/engine:0.1.0 .
 # The build stage compiles the native extension into a wheel; the runtime stage is the slim
 # CUDA runtime image with that wheel installed. EMBED_MODEL=0 leaves the SmolLM2 GGUF out.
+# Not built on this project's machines: they reach no registry, so there is no CUDA base image
+# (and no GPU to try it on); tests/docker/test_dockerfiles.py checks it with hadolint and
+# statically (COPY sources, non-root runtime, entrypoint vs the CLI). The CPU image and the
+# operator image are the ones built and run here (docker/build_local_images.sh).
 ARG BUILD_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-devel
 ARG RUNTIME_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 

@@ -40,6 +40,7 @@ ARG UID=1000
 RUN if ! command -v python3 >/dev/null; then \
       apt-get update \
       && apt-get install -y --no-install-recommends python3 \
+      && apt-get clean \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
     && groupadd --gid "${UID}" pagedinfer \

@@ -120,6 +120,12 @@ async def api(request: pytest.FixtureRequest) -> AsyncIterator[Api]:
     async with KubeClient(configuration) as client:
         ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
         await client.request("POST", "/api/v1/namespaces", body=ns)
+        # These tests drive the operator through API objects alone. Where the cluster has a node
+        # (tests/e2e), engine pods would start, fail to pull their image and change the status
+        # under the test: a zero-pod quota keeps them from being created, as on a bare control plane.
+        quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"}}
+        quota["spec"] = {"hard": {"pods": "0"}}
+        await client.request("POST", f"/api/v1/namespaces/{namespace}/resourcequotas", body=quota)
         try:
             await client.request(
                 "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=build_crd()
