@@ -196,9 +196,6 @@ probe gemv_smollm2 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2" --model smol
 # the same at 8 / 16 rows (a plain batch-8 step) and 40 / 56 (a batch-8 verification at K 4 / 6):
 # one tile of all rows against 16-row blocks (GemvConfig.block_m; ~1 min)
 probe gemv_smollm2_b8 "$PY" bench/gemv.py --out "$OUTDIR/gemv_smollm2_b8" --model smollm2 --rows 8,16,40,56 --rep-ms 25
-# the norm-epilogue GEMVs (add_prenorm, rstd_linear) at 8 / 40 / 56 rows: candidate configs
-# against the routed one and the plain step's 8 rows (~2 min)
-probe norm_epilogue_sweep "$PY" bench/norm_epilogue_sweep.py --out "$OUTDIR" --rows 8,40,56 --rep-ms 10
 # the n-gram rows again with a small model's 17-64-row GEMVs in one tile (the row blocks off: A/B)
 # shellcheck disable=SC2086  # SPEC_BENCH_ARGS splits into words
 probe spec_ngram_row_blocks_off env PAGEDINFER_GEMV_ROW_BLOCKS=0 "$PY" -P bench/speculative.py --device cuda \
@@ -211,17 +208,6 @@ probe spec_ngram_row_blocks_off env PAGEDINFER_GEMV_ROW_BLOCKS=0 "$PY" -P bench/
 probe spec_ngram_token_blocks_off env PAGEDINFER_SHORT_EXTEND_BLOCK_ROWS=0 "$PY" -P bench/speculative.py --device cuda \
   --out "$OUTDIR/spec_token_blocks_off" --workloads ngram --model "${SPEC_MODEL:-builtin://smollm2-135m}" \
   --batches 1,8 --ks 2,4,6 --max-tokens 128 ${SPEC_BENCH_ARGS:-}
-# the split rule of wide verification grids interleaved (~3 min; bench/spec_ab.sh): the default
-# (>= 32 programs: at most 8 splits, the fused merge), decode's rule (D: SmolLM2 batch 8 K 4 / 6 at
-# 11 splits and the separate merge) and at most 6 (S6); SPEC_AB_ARMS replaces the arms,
-# SPEC_AB_ARGS the benchmark's arguments
-# shellcheck disable=SC2086  # the arms split at spaces
-probe spec_ab_splits bench/spec_ab.sh "$OUTDIR/spec_ab_splits" "${SPEC_MODEL:-builtin://smollm2-135m}" 2 \
-  ${SPEC_AB_ARMS:-N D:PAGEDINFER_SHORT_EXTEND_WIDE_GRID_SPLITS=0 S6:PAGEDINFER_SHORT_EXTEND_MAX_SPLITS=6}
-# n-gram match keys interleaved (~2 min): folded (F, the default: a leading space and letter case
-# ignored) against exact ids (E)
-probe spec_ab_match bench/spec_ab.sh "$OUTDIR/spec_ab_match" "${SPEC_MODEL:-builtin://smollm2-135m}" 2 \
-  F E:PAGEDINFER_BENCH_NGRAM_MATCH=exact
 probe sync_points "$PY" -P bench/sync_points.py --model "${SPEC_MODEL:-builtin://smollm2-135m}" --out "$OUTDIR"
 # where a batch-1 K 4 n-gram step's device time goes (SmolLM2: launch-bound kernels)
 probe profile_spec_ngram_b1 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --workloads ngram --batch 1 --k 4 \

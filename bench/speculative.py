@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import statistics
@@ -435,8 +434,7 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument(
         "--ngram-match",
         choices=("folded", "exact"),
-        # (the environment's default lets bench/spec_ab.sh arms switch it)
-        default=os.environ.get("PAGEDINFER_BENCH_NGRAM_MATCH", SpeculativeConfig.ngram_match),
+        default=SpeculativeConfig.ngram_match,
         help="n-gram: match tokens up to a leading space and letter case (folded), or exact ids",
     )
     parser.add_argument(

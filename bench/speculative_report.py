@@ -284,6 +284,17 @@ def steps_from_trace(trace: list[list]) -> list[dict]:
     return [dict(zip(TRACE_FIELDS, t, strict=False)) for t in trace]
 
 
+def recompute_row(row: dict) -> dict:
+    """A JSON row's full-batch and all-steps columns recomputed from its `step_trace` (e.g. after
+    a window's definition changed): the theory at the window's own alpha where the trace has
+    per-step verification counts, else at the whole run's (as recorded then)."""
+    from throughput_lib import EngineRun
+
+    base, fast = (EngineRun(0.0, 0, 0, 0, steps_from_trace(row["step_trace"][n])) for n in ("base", "spec"))
+    window = full_batch_columns(base, fast, row["batch"], row["k"], row["c"], row["theoretical_speedup"])
+    return {**window, **all_steps_columns(row)}
+
+
 def step_mean_max(run, batch: int) -> list[float] | None:
     steps = [s["ms"] for s in full_steps(run, batch)]
     return [round(statistics.mean(steps), 3), round(max(steps), 3)] if steps else None

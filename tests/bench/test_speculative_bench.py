@@ -138,17 +138,16 @@ def test_full_batch_ratio_splits_into_tokens_and_step_cost():
 
 
 def test_windows_recompute_a_row_from_its_step_traces():
-    """bench/speculative_windows.py rebuilds both runs from a JSON row's step_trace and gives
+    """speculative_report.recompute_row rebuilds both runs from a JSON row's step_trace and gives
     the row's full-batch columns as speculative_report computes them on the runs themselves."""
     sys.path.insert(0, str(ROOT / "bench"))
-    from speculative_report import full_batch_speedup, step_cost_split, step_trace
-    from speculative_windows import recompute
+    from speculative_report import full_batch_speedup, recompute_row, step_cost_split, step_trace
 
     base = _async_run(1.0, 1, [1] * 6)
     fast = _async_run(1.5, 2, [4, 4, 1, 4, 2, 3], first_ms=2.0)
     row = {"batch": 2, "k": 2, "c": 0.0, "theoretical_speedup": 2.5}
     row["step_trace"] = json.loads(json.dumps({"base": step_trace(base), "spec": step_trace(fast)}))
-    again = recompute(row)
+    again = recompute_row(row)
     assert again["full_batch_over_theoretical"] == round(full_batch_speedup(base, fast, 2) / 2.5, 3)
     assert again["full_batch_alpha"] is None  # no per-step verification counts: the row's theory
     assert again["full_batch_theoretical_speedup"] == 2.5
