@@ -147,6 +147,8 @@ class ServerConfig:
     grpc_port: int = 50051
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()  # WebSocket Origins beyond the same origin; "*": any
+    # the models' tool-call format (server/tool_parsers.py); auto: chosen from the chat template
+    tool_call_parser: str = "auto"
     allow_unknown_fields: bool = False  # accept (and log) request fields the API does not define
     max_header_bytes: int = 64 << 10  # HTTP: all request headers together (431 above)
     max_header_count: int = 100  # HTTP: request headers (431 above)

@@ -109,6 +109,11 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer, scheduler)
         self._listeners: list[StepListener] = []
         self._pending: _Pending | None = None  # the last step, awaiting outputs and accounting
+        # Emit a step's outputs during the next step's forward only where that forward runs
+        # asynchronously (CUDA); on the CPU launch_forward computes it, and waiting for it would
+        # hand every token to its client one step late (issue 46: TTFT one step behind).
+        device = getattr(getattr(runner, "config", None), "device", None)
+        self.defers_outputs = getattr(device, "type", None) == "cuda"
         self.last_step_phases = StepPhases()
         self._rng = random.Random(seed)
         self._next_seq_id = 0
@@ -222,9 +227,10 @@ class EngineCore:
         """One iteration: schedule, launch the model, emit the previous step's outputs while the
         GPU runs, collect the samples, apply them.
 
-        Outputs and step stats therefore trail the scheduler by one step (flushed at once when
-        the engine goes idle); a stop string found then finishes its sequence before its next
-        token is applied. Nothing that decides the next batch waits for them.
+        On CUDA, outputs and step stats therefore trail the scheduler by one step (flushed at once
+        when the engine goes idle); a stop string found then finishes its sequence before its next
+        token is applied. Nothing that decides the next batch waits for them. Elsewhere (the CPU
+        computes the forward as it is launched) they are emitted at the end of their own step.
 
         With async scheduling the step also plans and launches the next step (a lookahead, see
         core/lookahead.py) before collecting this one; the next call starts from it, so the
@@ -299,8 +305,8 @@ class EngineCore:
             stats = self._pending.snapshot
             stats.draft_tokens_per_position, stats.accepted_tokens_per_position = per_position
         self._pending.snapshot.step_time_s = time.perf_counter() - start
-        if not self.scheduler.has_unfinished():  # an in-flight lookahead only has dropped rows
-            outputs += self._flush_pending()
+        if not self.defers_outputs or not self.scheduler.has_unfinished():
+            outputs += self._flush_pending()  # (an in-flight lookahead only has dropped rows)
         return outputs
 
     def _launch_lookahead(self, sched: SchedulerOutput, pending) -> None:

@@ -249,11 +249,17 @@ class ServingMetrics:
             registry=r,
             buckets=_TOKEN_BUCKETS,
         )
+        # Counted from the engine's steps (on_step): every token it processed, aborted requests'
+        # too, as /debug/engine_stats counts them.
         self.prompt_total = Counter(
-            _counter_family(PROMPT_TOKENS_TOTAL), "Prompt tokens.", labels, registry=r
+            _counter_family(PROMPT_TOKENS_TOTAL),
+            "Prompt tokens the engine computed (prefix-cache hits are not computed; a preempted "
+            "sequence's recompute counts again).",
+            labels,
+            registry=r,
         )
         self.gen_total = Counter(
-            _counter_family(GENERATION_TOKENS_TOTAL), "Generated tokens.", labels, registry=r
+            _counter_family(GENERATION_TOKENS_TOTAL), "Tokens the engine generated.", labels, registry=r
         )
         self.requests = Counter(
             _counter_family(REQUESTS_TOTAL), "Finished requests.", ["model", "finish_reason"], registry=r
@@ -337,6 +343,11 @@ class ServingMetrics:
         """Engine step listener (runs on the engine thread; prometheus_client is thread-safe)."""
         if self._preemptions is not None and self._counts_steps and step.num_preemptions:
             self._preemptions.inc(step.num_preemptions)
+        if self._counts_steps:
+            if step.num_prompt_tokens:
+                self._prompt_total.inc(step.num_prompt_tokens)
+            if step.num_generation_tokens:
+                self._gen_total.inc(step.num_generation_tokens)
         if not step.num_draft_tokens:
             return
         if self._counts_steps:
@@ -394,9 +405,7 @@ class ServingMetrics:
         if final is None:
             return
         usage, timing = final.usage, final.timing
-        if usage is not None:
-            self._prompt_total.inc(usage.prompt_tokens)
-            self._gen_total.inc(usage.completion_tokens)
+        if usage is not None:  # (the token counters come from the steps: on_step)
             self._prompt_hist.observe(usage.prompt_tokens)
             self._gen_hist.observe(usage.completion_tokens)
         if timing is not None:

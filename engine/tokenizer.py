@@ -216,10 +216,11 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
+        """`kwargs`: more template variables (e.g. `tools`)."""
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False
         )
 
 

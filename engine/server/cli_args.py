@@ -97,6 +97,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         help="comma-separated WebSocket Origin allow-list beyond the same origin (default), * for any",
     )
     srv.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json", "smollm2"],
+        default="auto",
+        help="the model's tool-call format (auto: chosen from the chat template)",
+    )
+    srv.add_argument(
         "--allow-unknown-fields",
         action="store_true",
         help="accept request fields the API does not define (logged) instead of answering 400",
@@ -204,6 +210,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_origins=origins,
         allow_unknown_fields=args.allow_unknown_fields,
+        tool_call_parser=args.tool_call_parser,
         max_header_bytes=args.max_header_bytes,
         max_header_count=args.max_header_count,
         max_ws_message_bytes=args.max_ws_message_bytes,

@@ -11,6 +11,7 @@ cancelled caller cannot skip it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,6 +36,10 @@ class ChatMessage:
     role: str
     content: str
     name: str | None = None  # OpenAI's participant name: given to the chat template as `name`
+    # an assistant's tool calls ({"id", "type", "function": {"name", "arguments"}}), a tool
+    # result's call id: given to the chat template as `tool_calls` / `tool_call_id`
+    tool_calls: tuple[dict, ...] | None = None
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class PromptInput:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    tools: tuple[dict, ...] | None = None  # chat: given to a template that takes `tools`
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,18 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+def _message_dict(m: ChatMessage) -> dict:
+    """A message as chat templates read it (optional keys only where set)."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = list(m.tool_calls)
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
 def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -86,10 +104,21 @@ def finish_reason_value(reason: Any) -> str:
 
 
 class GenerationStream:
-    """An open engine request: iterate for `RequestOutput`s (the first one is already here)."""
+    """An open engine request: iterate for `RequestOutput`s (the first one is already here).
+
+    Its time to first token is measured here, when the first output with tokens is handed to
+    the transport, from when the server opened the request: the final output's `timing` (and
+    the TTFT histogram) carry that, which is what a client sees, not when the engine sampled it.
+    """
 
     def __init__(
-        self, service: GenerationService, engine: Any, request_id: str, first: RequestOutput, gen: Any
+        self,
+        service: GenerationService,
+        engine: Any,
+        request_id: str,
+        first: RequestOutput,
+        gen: Any,
+        opened_at: float | None = None,
     ):
         self.request_id = request_id
         self._service = service
@@ -101,6 +130,8 @@ class GenerationStream:
         self._final: RequestOutput | None = None
         self._closed = False
         self.prompt_token_ids: list[int] = []  # set by GenerationService.open (echo reads it)
+        self._opened_at = time.monotonic() if opened_at is None else opened_at
+        self._first_token_at: float | None = None
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -123,7 +154,12 @@ class GenerationStream:
         for delta in out.deltas:
             if delta.finish_reason is not None:
                 self._finish_reasons[delta.index] = finish_reason_value(delta.finish_reason)
+            if self._first_token_at is None and delta.token_ids:
+                self._first_token_at = time.monotonic()
         if out.finished:
+            if out.timing is not None and self._first_token_at is not None:
+                ttft = self._first_token_at - self._opened_at
+                out.timing = dataclasses.replace(out.timing, time_to_first_token=ttft)
             self._final = out
             self._finish(self._finish_reasons.get(0, "stop"))
         return out
@@ -180,7 +216,7 @@ class GenerationService:
         if prompt.token_ids is not None:
             return self._check_token_ids(engine, prompt.token_ids)
         if prompt.messages is not None:
-            return self._render_chat(engine, prompt.messages, add_generation_prompt)
+            return self._render_chat(engine, prompt.messages, add_generation_prompt, prompt.tools)
         assert prompt.text is not None
         if not prompt.text:
             raise InvalidRequestError("prompt must not be empty")
@@ -205,7 +241,11 @@ class GenerationService:
         return ids
 
     def _render_chat(
-        self, engine: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self,
+        engine: Any,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
         if not messages:
             raise InvalidRequestError("messages must not be empty")
@@ -215,14 +255,16 @@ class GenerationService:
                     f"unknown message role '{m.role}' (expected one of {', '.join(_ROLES)})"
                 )
         tokenizer = engine.tokenizer
-        dicts = [
-            {"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {})
-            for m in messages
-        ]
+        dicts = [_message_dict(m) for m in messages]
+        extra = {"tools": list(tools)} if tools else {}  # (tool_calls.py: templates that take them)
         try:
             if hasattr(tokenizer, "encode_chat"):
-                return list(tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt))
-            rendered = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+                return list(
+                    tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt, **extra)
+                )
+            rendered = tokenizer.apply_chat_template(
+                dicts, add_generation_prompt=add_generation_prompt, **extra
+            )
         except InvalidRequestError:
             raise
         except ValueError as e:  # the tokenizer's ChatTemplateError: a bad conversation, not a crash
@@ -246,6 +288,7 @@ class GenerationService:
 
     async def open(self, request: GenerationRequest) -> GenerationStream:
         """Start a generation; raises InvalidRequestError, NotServingError or the engine's overload error."""
+        opened_at = time.monotonic()
         engine = self.handle.require_engine()
         check_unicode(request)
         self.check_model(request.model)
@@ -269,7 +312,7 @@ class GenerationService:
             self.handle.request_finished()
             self.spawn_abort(None, request_id, gen)
             raise
-        stream = GenerationStream(self, engine, request_id, first, gen)
+        stream = GenerationStream(self, engine, request_id, first, gen, opened_at)
         stream.prompt_token_ids = token_ids
         return stream
 

@@ -35,6 +35,7 @@ from pagedinfer.engine.server.generation import (
 )
 from pagedinfer.engine.server.proto_gen import inference_pb2 as pb
 from pagedinfer.engine.server.proto_gen import inference_pb2_grpc as pb_grpc
+from pagedinfer.engine.server.structured_fields import structured_from_pb
 
 logger = logging.getLogger("pagedinfer.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -81,6 +82,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logit_bias=dict(msg.logit_bias),
+        structured_output=structured_from_pb(msg.structured_output) if msg.HasField("structured_output") else None,
         **kwargs,
     )
 

@@ -17,6 +17,8 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+_LINGER_SECONDS = 2.0  # a refused connection is closed this long after its 431
+
 
 class _HeadRefused(Exception):
     """Raised from a parser callback to stop parsing a request whose head is over a limit."""
@@ -97,10 +99,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._num_head_bytes = self._num_parsed_bytes = 0
 
     def _refuse(self, message: str) -> None:
+        """Answer 431 and end the connection. Closing at once would reset it while the client
+        still sends (the unread head in our socket buffer makes the kernel send RST) and the
+        client would lose the answer: half-close, drop what still arrives, close a little later."""
         self._is_refused = True
         self.logger.warning("refused a request: %s", message)
         self.transport.write(_response_431(message))
-        self.transport.close()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_SECONDS, self.transport.close)
 
 
 def limited_http_protocol(max_header_bytes: int, max_header_count: int) -> type[LimitedHttpToolsProtocol]:

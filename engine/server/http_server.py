@@ -173,7 +173,7 @@ def build_app(service: GenerationService, config: ServerConfig, auth: ApiKeyAuth
     app.state.server_config = config
     _install_error_handlers(app)
     # Routes match in order: the OpenAI paths (the per-request hot path) before the probes.
-    app.include_router(OpenAIRoutes(service, config.allow_unknown_fields).router)
+    app.include_router(OpenAIRoutes(service, config.allow_unknown_fields, config.tool_call_parser).router)
     app.include_router(TokenizeRoutes(service, config.allow_unknown_fields).router)
     _add_probe_routes(app, service)
     app.include_router(WebSocketGateway(service, config, auth).router)

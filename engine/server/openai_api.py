@@ -33,6 +33,9 @@ from pagedinfer.engine.server.sse_render import (
     timing_dict,
     usage_dict,
 )
+from pagedinfer.engine.server.tool_calls import ToolCalling
+from pagedinfer.engine.server.tool_parsers import choose_parser
+from pagedinfer.engine.server.tool_stream import ToolStreamRenderer
 
 __all__ = ["OpenAIRoutes", "timing_dict", "usage_dict"]  # ws_gateway reuses the two dicts
 
@@ -76,7 +79,10 @@ def _sse(payload: dict) -> str:
 class OpenAIRoutes:
     """Builds the router; the handlers translate between OpenAI JSON and engine streams."""
 
-    def __init__(self, service: GenerationService, allow_unknown_fields: bool = False) -> None:
+    def __init__(
+        self, service: GenerationService, allow_unknown_fields: bool = False, tool_call_parser: str = "auto"
+    ) -> None:
+        self.tool_call_parser = tool_call_parser
         self.service = service
         self.allow_unknown_fields = allow_unknown_fields
         self.router = APIRouter()
@@ -151,23 +157,32 @@ class OpenAIRoutes:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         check_fields(body, self.allow_unknown_fields)
-        stream = await self.service.open(body.to_generation())
+        generation = body.to_generation()
+        template = getattr(self.service.handle.require_engine().tokenizer, "chat_template", None)
+        calling = ToolCalling.of(body, choose_parser(template, self.tool_call_parser))
+        if calling is not None:  # tools in the prompt; required / named: a grammar (tool_calls.py)
+            if body.stream and body.logprobs:
+                raise InvalidRequestError("logprobs with streamed tool calls are not supported")
+            generation = calling.apply(generation, template)
+        stream = await self.service.open(generation)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
-            return self._stream(stream, rid, created, "chat.completion.chunk", body.include_usage)
+            return self._stream(stream, rid, created, "chat.completion.chunk", body.include_usage, calling)
         collected = await _collect(stream, request)
         if collected is None:
             return JSONResponse({}, status_code=499)
-        choices = [
-            {
+        choices = []
+        for i, c in sorted(collected.choices.items()):
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if calling is not None:
+                message, reason = calling.message(c.text, reason)
+            choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": chat_logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": reason,
             }
-            | ({"error": c.error} if c.error is not None else {})
-            for i, c in sorted(collected.choices.items())
-        ]
+            choices.append(choice | ({"error": c.error} if c.error is not None else {}))
         final = collected.final
         usage = usage_dict(final.usage) if final is not None else None
         timing = final.timing if final is not None else None
@@ -194,9 +209,18 @@ class OpenAIRoutes:
         return json_response(body)
 
     def _stream(
-        self, stream: GenerationStream, rid: str, created: int, obj: str, include_usage: bool
+        self,
+        stream: GenerationStream,
+        rid: str,
+        created: int,
+        obj: str,
+        include_usage: bool,
+        calling: ToolCalling | None = None,
     ) -> StreamingResponse:
-        renderer = SseRenderer(rid, created, self.service.served_model_name, obj, include_usage)
+        model = self.service.served_model_name
+        renderer = SseRenderer(rid, created, model, obj, include_usage)
+        if calling is not None:  # OpenAI's tool-call deltas (tool_stream.py)
+            renderer = ToolStreamRenderer(rid, created, model, include_usage, calling)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return SseResponse(_sse_events(stream, renderer), media_type="text/event-stream", headers=headers)
 

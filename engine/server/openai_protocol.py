@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from pagedinfer.engine.server.generation import ChatMessage, GenerationRequest, PromptInput
+from pagedinfer.engine.server.structured_fields import StructuredOutputFields
+from pagedinfer.engine.server.tool_calls import ToolMessageFields, ToolRequestFields
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -39,7 +41,7 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessageIn(BaseModel):
+class ChatMessageIn(ToolMessageFields):
     model_config = _EXTRAS
     role: str
     content: str | list[ContentPart] | None = None
@@ -48,7 +50,13 @@ class ChatMessageIn(BaseModel):
     def to_message(self) -> ChatMessage:
         """OpenAI's `developer` role is the `system` role of the chat templates."""
         role = "system" if self.role == "developer" else self.role
-        return ChatMessage(role=role, content=self.text(), name=self.name)
+        return ChatMessage(
+            role=role,
+            content=self.text(),
+            name=self.name,
+            tool_calls=self.tool_call_dicts(),
+            tool_call_id=self.tool_call_id,
+        )
 
     def text(self) -> str:
         if self.content is None:
@@ -58,8 +66,9 @@ class ChatMessageIn(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _SamplingFields(StructuredOutputFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (and the structured-output
+    fields: response_format, structured_outputs, guided_*)."""
 
     model_config = _EXTRAS
     model: str | None = None
@@ -109,6 +118,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             use_speculation=self.use_speculation,
+            structured_output=self.structured_output(),
             **kwargs,
         )
 
@@ -199,7 +209,7 @@ class CompletionRequest(_SamplingFields):
         ]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolRequestFields):
     messages: list[ChatMessageIn]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

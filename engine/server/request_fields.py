@@ -44,14 +44,10 @@ REFUSED_UNTIL_IMPLEMENTED = frozenset(
         # grammar are implemented: server/structured_fields.py)
         "guided_decoding_backend",
         "guided_whitespace_pattern",
-        # tool calling (request fields, and those of chat messages)
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
+        # tool calling: tools, tool_choice, parallel_tool_calls and the messages' tool_calls /
+        # tool_call_id are implemented (server/tool_calls.py); OpenAI's deprecated spellings are not
         "functions",
         "function_call",
-        "tool_calls",
-        "tool_call_id",
     }
 )
 

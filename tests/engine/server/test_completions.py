@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -194,6 +195,33 @@ def test_grpc_reflection_v1(server) -> None:
         (response,) = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30))
     names = {s.name for s in response.list_services_response.service}
     assert {"pagedinfer.v1.InferenceService", "grpc.reflection.v1.ServerReflection"} <= names
+
+
+def test_reported_ttft_is_when_the_client_gets_the_first_token(server, model) -> None:
+    """The `timing` a stream reports measures the time to first token as the client sees it: on
+    the CPU a token used to reach the client one engine step after it was counted (issue 46)."""
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    runs = []
+    for _ in range(3):
+        arrivals, timing = [], None
+        start = time.monotonic()
+        with httpx.stream("POST", f"{server.http}/v1/completions", json=body, timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    timing = json.loads(line[6:]).get("timing") or timing
+        assert len(arrivals) == 8  # one event per token: each step's token leaves when it exists
+        step = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)  # a decode step, client-side
+        runs.append((arrivals[0] - start - timing["time_to_first_token_seconds"], step))
+    lag, step = min(runs)
+    assert 0 <= lag < 0.5 * step, runs  # (a token one step late: lag ~ step)
 
 
 def _lm_eval_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

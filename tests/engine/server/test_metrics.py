@@ -49,14 +49,24 @@ def test_every_declared_name_is_exported() -> None:
     sm.observe_step_gap(0.1, 2)
     # two sequences verified 4 drafts each: one accepted all, the other the first two
     per_position = {"draft_tokens_per_position": (2, 2, 2, 2), "accepted_tokens_per_position": (2, 2, 1, 1)}
-    sm.on_step(_step(num_draft_tokens=8, num_accepted_tokens=6, num_verified_seqs=2, **per_position))
+    sm.on_step(
+        _step(
+            num_draft_tokens=8,
+            num_accepted_tokens=6,
+            num_verified_seqs=2,
+            num_prompt_tokens=5,
+            **per_position,
+        )
+    )
     sm.on_step(_step(num_draft_tokens=0, num_accepted_tokens=0))
     assert _family_names(sm.registry) == set(m.METRIC_NAMES)
     s = _samples(sm.registry)
     assert s[("vllm:num_requests_running", (("model_name", "tiny"),))] == 2
     assert s[("pagedinfer_kv_cache_usage_ratio", (("model", "tiny"),))] == 0.25
     assert s[("pagedinfer_requests_total", (("finish_reason", "length"), ("model", "tiny")))] == 1
-    assert s[("pagedinfer_generation_tokens_total", (("model", "tiny"),))] == 3
+    # token counters: the steps' (1 generated token each), not the finished request's usage
+    assert s[("pagedinfer_generation_tokens_total", (("model", "tiny"),))] == 2
+    assert s[("pagedinfer_prompt_tokens_total", (("model", "tiny"),))] == 5
     assert s[("pagedinfer_inter_token_latency_seconds_sum", (("model", "tiny"),))] == 0.05
     assert s[("pagedinfer_server_ready", (("model", "tiny"),))] == 1
     assert s[("pagedinfer_spec_decode_draft_tokens_total", (("model", "tiny"),))] == 8

@@ -135,8 +135,8 @@ def _bad_request(call) -> dict:
     ("extra", "param", "words"),
     [
         ({"bogus_field": 1}, "bogus_field", "unknown field"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported yet"),
-        ({"tool_choice": "required"}, "tool_choice", "not supported yet"),
+        ({"functions": [{"name": "f"}]}, "functions", "not supported yet"),  # (tools: test_tool_calls.py)
+        ({"function_call": "auto"}, "function_call", "not supported yet"),
         ({"reasoning_effort": "low"}, "reasoning_effort", "not supported"),
         (
             {"stream_options": {"include_usage": True, "extra_knob": 1}},
@@ -144,8 +144,8 @@ def _bad_request(call) -> dict:
             "unknown",
         ),
         (
-            {"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]},
-            "messages[0].tool_call_id",
+            {"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f"}}]},
+            "messages[0].function_call",
             "not supported yet",
         ),
     ],
