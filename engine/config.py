@@ -118,6 +118,8 @@ class EngineConfig:
     served_model_name: str | None = None
     revision: str | None = None
     seed: int = 0
+    # > 1: the model split over this many processes and devices (engine/parallel/), rank 0 here
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

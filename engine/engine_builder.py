@@ -53,14 +53,27 @@ def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda 
     torch.manual_seed(config.seed)
     device = resolve_device(config.device.device)
     on_phase("loading_weights")
+    if config.tensor_parallel_size > 1:
+        from pagedinfer.engine.parallel.driver import start_tensor_parallel
+
+        tp = start_tensor_parallel(config, device, on_phase)
+        return assemble_engine(config, tp.model, tp.tokenizer, on_phase, parallel=tp)
     loaded = load_model(config.model, device, config.device.dtype, config.revision)
     return assemble_engine(config, loaded.model, loaded.tokenizer, on_phase)
 
 
 def assemble_engine(
-    config: EngineConfig, model, tokenizer=None, on_phase: Callable[[str], None] = lambda phase: None
+    config: EngineConfig,
+    model,
+    tokenizer=None,
+    on_phase: Callable[[str], None] = lambda phase: None,
+    parallel=None,
 ) -> BuiltEngine:
-    """Everything around an already loaded model (benchmarks pass random-weight models here)."""
+    """Everything around an already loaded model (benchmarks pass random-weight models here).
+
+    `parallel` (a parallel.driver.TensorParallelEngine, `model` its DriverModel): the workers
+    size their KV caches with rank 0, which holds only its heads; steps run eagerly.
+    """
     from pagedinfer.engine.worker.kv_cache import CompanionPool, allocate_kv_caches, determine_num_blocks
 
     mc = model.config
@@ -71,18 +84,23 @@ def assemble_engine(
     backend = ops.select_backend(device, config.device.attention_backend)
 
     on_phase("allocating_kv_cache")
-    profile = _profile_fn(model, mc, config, device, dtype, backend) if device.type == "cuda" else None
     # The draft model (weights now, KV blocks with the target's) comes out of the same budget.
     draft = load_draft_model(spec_cfg, model, tokenizer)
     per_seq = draft_blocks_per_seq(spec_cfg, block_size, max_model_len)
     draft_pool = CompanionPool(draft_block_bytes(draft, block_size, dtype), spec_cfg.max_batch_size * per_seq)
-    num_blocks = determine_num_blocks(mc, config.cache, device, dtype, profile, companion=draft_pool)
+    if parallel is None:
+        profile = _profile_fn(model, mc, config, device, dtype, backend) if device.type == "cuda" else None
+        num_blocks = determine_num_blocks(mc, config.cache, device, dtype, profile, companion=draft_pool)
+        kv_config, runner_class = mc, ModelRunner
+    else:
+        num_blocks = parallel.agree_num_blocks(config, backend, draft_pool)
+        kv_config, runner_class = parallel.rank_config, parallel.runner_class
     num_blocks -= 1  # the target's scratch block
     if num_blocks < 1:
         raise ValueError("no room for the KV cache")
-    kv_caches = allocate_kv_caches(mc, num_blocks + 1, block_size, device, dtype)
+    kv_caches = allocate_kv_caches(kv_config, num_blocks + 1, block_size, device, dtype)
     eos = tuple(dict.fromkeys([*mc.eos_token_ids, *(getattr(tokenizer, "stop_token_ids", ()) or ())]))
-    runner = ModelRunner(
+    runner = runner_class(
         model,
         kv_caches,
         RunnerConfig(
@@ -93,7 +111,7 @@ def assemble_engine(
             max_model_len=max_model_len,
             device=device,
             attention_backend=backend,
-            enable_cuda_graphs=config.device.enable_cuda_graphs,
+            enable_cuda_graphs=config.device.enable_cuda_graphs and parallel is None,
             eos_token_ids=eos,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg.method else 0,
             max_verify_seqs=spec_cfg.max_batch_size,

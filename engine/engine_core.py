@@ -387,6 +387,19 @@ class EngineCore:
     def add_step_listener(self, callback: StepListener) -> None:
         self._listeners.append(callback)
 
+    def add_death_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` once if the runner's other processes die (tensor-parallel workers,
+        engine/parallel/workers.py); a runner of this process alone has none and never calls it."""
+        add = getattr(self.runner, "add_death_listener", None)
+        if add is not None:
+            add(callback)
+
+    def close(self) -> None:
+        """Stop the runner's other processes, if it has any (tensor-parallel workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def _account(self, pending: _Pending, num_cut: int, num_stopped: int) -> None:
         """The step's counts; num_cut tokens of its updates fell past a stop string, which
         finished num_stopped sequences (found by the output processor)."""

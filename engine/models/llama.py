@@ -152,27 +152,35 @@ class LlamaForCausalLM(nn.Module):
         Shapes were validated against `hf_weight_shapes` by the loader before any allocation;
         the checks here guard direct callers.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            param_name, rows = fused_target(name, self.config)
-            if param_name not in params:
-                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-            target = params[param_name].data if rows is None else params[param_name].data[rows[0] : rows[1]]
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                )
-            with torch.no_grad():
-                target.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(hf_weight_shapes(self.config)) - loaded)
-        if missing:
+        load_hf_weights(self, weights, self.config)
+
+
+def load_hf_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+) -> None:
+    """`LlamaForCausalLM.load_weights` for the modules of `config` (a tensor-parallel rank passes
+    its own config: its heads, intermediate columns and vocabulary rows)."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
+            continue
+        param_name, rows = fused_target(name, config)
+        if param_name not in params:
+            raise ValueError(f"unexpected weight {name!r} for {config.architecture}")
+        target = params[param_name].data if rows is None else params[param_name].data[rows[0] : rows[1]]
+        if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
-                f"weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
             )
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(hf_weight_shapes(config)) - loaded)
+    if missing:
+        raise ValueError(
+            f"weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
 
 
 # Hugging Face projection name -> (our fused parameter, which block of its output rows).

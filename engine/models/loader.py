@@ -44,13 +44,16 @@ class LoadedModel:
 
 
 @dataclass
-class _LoadPlan:
-    """Everything validated, nothing allocated: the config, the tokenizer and a weight stream."""
+class ModelLoadPlan:
+    """Everything validated, nothing allocated: the config, the tokenizer and a weight stream
+    (`checkpoint`: the GGUFCheckpoint or SafetensorsCheckpoint, for readers of slices)."""
 
     model_config: ModelConfig
     tokenizer: Tokenizer | None
     num_tensors: int
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    checkpoint: GGUFCheckpoint | SafetensorsCheckpoint
+    path: Path
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
@@ -75,7 +78,7 @@ def _read_json(path: Path, required: bool) -> dict:
         raise ModelLoadError(str(path), f"unreadable JSON: {exc}") from exc
 
 
-def _plan_safetensors(folder: Path) -> _LoadPlan:
+def _plan_safetensors(folder: Path) -> ModelLoadPlan:
     config_path = folder / "config.json"
     generation = _read_json(folder / "generation_config.json", required=False)
     config = model_config_from_hf(_read_json(config_path, required=True), str(config_path), generation)
@@ -89,10 +92,12 @@ def _plan_safetensors(folder: Path) -> _LoadPlan:
             raise ModelLoadError(str(folder), str(exc)) from exc
     else:
         logger.warning("%s: no tokenizer.json; the model loads without a tokenizer", folder)
-    return _LoadPlan(config, tokenizer, len(checkpoint.tensors), checkpoint.iter_weights)
+    return ModelLoadPlan(
+        config, tokenizer, len(checkpoint.tensors), checkpoint.iter_weights, checkpoint, folder
+    )
 
 
-def _plan_gguf(path: Path) -> _LoadPlan:
+def _plan_gguf(path: Path) -> ModelLoadPlan:
     checkpoint = GGUFCheckpoint(path)
     config = model_config_from_gguf(
         checkpoint.metadata, checkpoint.gguf_shapes(), str(path), checkpoint.rope_freq_factors()
@@ -106,7 +111,28 @@ def _plan_gguf(path: Path) -> _LoadPlan:
             raise ModelLoadError(str(path), str(exc)) from exc
     else:
         logger.warning("%s: no tokenizer metadata; the model loads without a tokenizer", path)
-    return _LoadPlan(config, tokenizer, len(checkpoint.hf_shapes()), lambda: checkpoint.iter_weights(config))
+    return ModelLoadPlan(
+        config,
+        tokenizer,
+        len(checkpoint.hf_shapes()),
+        lambda: checkpoint.iter_weights(config),
+        checkpoint,
+        path,
+    )
+
+
+def plan_model_load(
+    uri: str,
+    revision: str | None = None,
+    *,
+    download_dir: str | Path | None = None,
+    local_files_only: bool = False,
+) -> ModelLoadPlan:
+    """Resolve a model URI and validate its config, tensors and tokenizer from the file headers."""
+    resolved = resolve_model_uri(uri, revision, cache_dir=download_dir, local_files_only=local_files_only)
+    if resolved.format is CheckpointFormat.GGUF:
+        return _plan_gguf(resolved.path)
+    return _plan_safetensors(resolved.path)
 
 
 def load_model(
@@ -121,19 +147,14 @@ def load_model(
     """Load a model URI (see builtin.py) onto `device` in `dtype`; raises ModelLoadError on bad input."""
     start = time.perf_counter()
     torch_dtype = resolve_dtype(dtype, device)
-    resolved = resolve_model_uri(uri, revision, cache_dir=download_dir, local_files_only=local_files_only)
-    plan = (
-        _plan_gguf(resolved.path)
-        if resolved.format is CheckpointFormat.GGUF
-        else _plan_safetensors(resolved.path)
-    )
+    plan = plan_model_load(uri, revision, download_dir=download_dir, local_files_only=local_files_only)
     config = plan.model_config
     model = model_class(config.architecture)(config, torch_dtype, device)
     model.requires_grad_(False)
     progress = tqdm(
         plan.weights(),
         total=plan.num_tensors,
-        desc=f"loading {resolved.path.name}",
+        desc=f"loading {plan.path.name}",
         unit="tensor",
         leave=False,
     )
@@ -150,4 +171,4 @@ def load_model(
         device,
         time.perf_counter() - start,
     )
-    return LoadedModel(model, config, plan.tokenizer, resolved.path)
+    return LoadedModel(model, config, plan.tokenizer, plan.path)

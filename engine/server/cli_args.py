@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -45,7 +44,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     eng.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     eng.add_argument("--num-blocks", type=int, default=None)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    eng.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many processes and GPUs (one process per rank; on the CPU "
+        "the ranks share the host's cores): heads, MLP and vocabulary are sharded",
+    )
     eng.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
     eng.add_argument(
         "--speculative-model", default=None, help="draft model URI (with --speculative-method draft)"
@@ -188,16 +193,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         revision=args.revision,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=cache,
         scheduler=scheduler,
         speculative=speculative,
         device=device,
     )
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    if "tensor_parallel_size" in names:
-        config = dataclasses.replace(config, tensor_parallel_size=args.tensor_parallel_size)
-    elif args.tensor_parallel_size != 1:
-        raise SystemExit("--tensor-parallel-size > 1 is not supported by this engine build")
     return config
 
 
