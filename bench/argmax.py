@@ -13,7 +13,6 @@ than its device pays that instead of the device time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -22,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402
-from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
+import common  # noqa: E402
+from common import gpu_parser, graph_ms, has_cuda, measure_copy_bandwidth  # noqa: E402
 
 from pagedinfer.kernels.argmax import argmax_rows  # noqa: E402
 
@@ -48,12 +47,12 @@ def host_us_per_call(fns) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap = gpu_parser(__doc__.splitlines()[0], rep_ms=25)
     ap.add_argument("--rows", default="1,8,40,56")
     ap.add_argument("--vocabs", default="128256,49152")
-    ap.add_argument("--rep-ms", type=int, default=25)
     args = ap.parse_args()
+    if not has_cuda("argmax"):
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     copy_gbps = measure_copy_bandwidth(args.rep_ms)
     rows_out = []
@@ -62,8 +61,8 @@ def main() -> None:
             for rows in map(int, args.rows.split(",")):
                 xs = [torch.randn(rows, vocab, device="cuda").to(dtype) for _ in range(SETS)]
                 assert all(torch.equal(argmax_rows(x), x.argmax(-1)) for x in xs)
-                torch_ms = _bench_graph([lambda x=x: x.argmax(-1) for x in xs], args.rep_ms)
-                triton_ms = _bench_graph([lambda x=x: argmax_rows(x) for x in xs], args.rep_ms)
+                torch_ms = graph_ms([lambda x=x: x.argmax(-1) for x in xs], args.rep_ms)
+                triton_ms = graph_ms([lambda x=x: argmax_rows(x) for x in xs], args.rep_ms)
                 torch_host = host_us_per_call([lambda x=x: x.argmax(-1) for x in xs])
                 triton_host = host_us_per_call([lambda x=x: argmax_rows(x) for x in xs])
                 floor_us = rows * vocab * xs[0].element_size() / copy_gbps / 1e3
@@ -94,7 +93,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    made = plotting.subplots(path, 1, 1, figsize=(7, 4))
+    made = common.subplots(path, 1, 1, figsize=(7, 4))
     if made is None:
         return
     fig, ax = made
@@ -108,7 +107,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("us per call (graph replay)")
     ax.set_yscale("log")
     ax.legend(fontsize=6)
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

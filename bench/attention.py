@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_cases as cases  # noqa: E402  (bench/ is not a package)
+import common  # noqa: E402
+from common import ROTATE_BYTES, bench_ms, graph_ms  # noqa: E402
 
 BATCHES, CONTEXTS = (1, 16, 64, 256), (512, 2048, 8192)
 PREFILL_SHAPES = ((1, 8192, 8192), (4, 2048, 2048), (16, 512, 512), (4, 512, 4096))  # (B, new, seq_len)
@@ -33,47 +35,10 @@ PREFILL_SHAPES = ((1, 8192, 8192), (4, 2048, 2048), (16, 512, 512), (4, 512, 409
 SMOLLM2_DECODE = ((1, 2048), (64, 2048), (256, 2048))
 SMOLLM2_PREFILL = ((1, 2048, 2048), (4, 512, 2048))
 TUNE_MAX_BATCH = 16  # large batches are plain streaming: one config wins everywhere (NOTES.md)
-ROTATE_BYTES = 256 << 20  # decode input sets per shape: at least this much KV (L2 is 60 MB)
-
-
-def _bench(fn, rep_ms: int) -> float:
-    """Median milliseconds with device events; do_bench clears L2 before every call."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
-
-
-def measure_copy_bandwidth(rep_ms: int) -> float:
-    """Device-to-device copy of 2 GiB, counting bytes read + written, in GB/s."""
-    src = torch.randn(2**29, device="cuda")  # 2 GiB fp32
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src), rep_ms)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
-def _bench_graph(fns: list, rep_ms: int) -> float:
-    """Median ms per call of one CUDA graph that runs every fn once, each on its own input set.
-
-    Decode runs from CUDA graphs in the engine, so this leaves host launch overhead out, and
-    rotating over input sets larger than L2 keeps each call's KV reads cold.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile, plans) outside the capture
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    ms = _bench(graph.replay, rep_ms) / len(fns)
-    del graph
-    return ms
 
 
 def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.LLAMA) -> dict:
@@ -83,7 +48,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
     row: dict = {"model": heads.name, "batch": batch, "context": context, "kv_bytes": kv_bytes}
     row["input_sets"] = num_sets
     ref = cases.ours_decode(sets[0])()
-    sdpa_name = cases.pick_sdpa_decode(sets[0], lambda fn: _bench(fn, args.rep_ms))
+    sdpa_name = cases.pick_sdpa_decode(sets[0], lambda fn: bench_ms(fn, args.rep_ms))
     row["sdpa_backend"] = sdpa_name
     factories = {
         "triton": cases.ours_decode,
@@ -102,13 +67,13 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
         fns = [factory(x) for x in sets]
         try:
             err = _rel_err(fns[0](), ref)
-            ms = _bench_graph(fns, args.rep_ms)
+            ms = graph_ms(fns, args.rep_ms)
         except Exception as e:  # noqa: BLE001 - a variant that fails to build or run is recorded, not fatal
             row[name] = {"error": str(e)[:300]}
             print(f"{name} {batch}x{context}: {row[name]['error']}", flush=True)
             continue
         gbps = kv_bytes / ms / 1e6
-        eager_ms = _bench(fns[0], args.rep_ms)
+        eager_ms = bench_ms(fns[0], args.rep_ms)
         row[name] = {
             "ms": ms,
             "gbps": gbps,
@@ -118,9 +83,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, args, heads=cases.L
         }
         del fns
     if args.tune in ("decode", "all") and batch <= TUNE_MAX_BATCH:
-        row["tune"] = cases.tune_decode(
-            sets, lambda fns: _bench_graph(fns, max(10, args.rep_ms // 3)), kv_bytes
-        )
+        row["tune"] = cases.tune_decode(sets, lambda fns: graph_ms(fns, max(10, args.rep_ms // 3)), kv_bytes)
     del sets
     torch.cuda.empty_cache()
     return row
@@ -139,10 +102,10 @@ def bench_prefill(batch: int, new: int, seq_len: int, args, heads=cases.LLAMA) -
         except RuntimeError as e:  # a backend that does not take this shape
             row[name] = {"error": str(e).splitlines()[0][:200]}
             continue
-        ms = _bench(fn, args.rep_ms)
+        ms = bench_ms(fn, args.rep_ms)
         row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_triton": _rel_err(out, ref)}
     if args.tune in ("extend", "all"):
-        row["tune"] = cases.tune_extend(x, lambda fn: _bench(fn, max(10, args.rep_ms // 2)), flops)
+        row["tune"] = cases.tune_extend(x, lambda fn: bench_ms(fn, max(10, args.rep_ms // 2)), flops)
     del x
     torch.cuda.empty_cache()
     return row
@@ -254,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "--merge-variants", action="store_true", help="also time the FUSED and PDL split merges forced on"
     )
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/attention.py needs a CUDA GPU; nothing measured")
+    if not common.has_cuda("bench/attention.py"):
         return 0
     warnings.filterwarnings("ignore")
     args.rep_ms = 30 if args.quick else 100
@@ -267,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
-        "copy_gbps": measure_copy_bandwidth(args.rep_ms),
+        "copy_gbps": common.measure_copy_bandwidth(args.rep_ms),
         "decode": [],
         "prefill": [],
     }

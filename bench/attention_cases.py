@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-import plotting  # bench/ is on sys.path (bench/attention.py puts it there)
+import common  # bench/ is on sys.path (bench/attention.py puts it there)
 import torch
 import torch.nn.functional as F
 
@@ -313,7 +313,7 @@ def tune_extend(x: dict, timer, flops: float) -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> None:
-    drawn = plotting.subplots(path, 1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
+    drawn = common.subplots(path, 1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
     if drawn is None:
         return
     fig, (ax1, ax2) = drawn
@@ -343,4 +343,4 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("TFLOP/s")
     ax2.set_title("prefill / extend (causal)")
     ax2.legend()
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)

@@ -39,7 +39,7 @@ from pagedinfer.kernels import fused_ops, linear_ops, ops
 from pagedinfer.kernels import fused_reference as ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import graph_us  # noqa: E402  (bench/ is not a package)
+from common import graph_us  # noqa: E402  (bench/ is not a package)
 
 # Both sides use torch's GEMM: this bench compares the elementwise chain (bench/gemv.py has the GEMMs).
 linear_ops.GEMV_ENABLED = False

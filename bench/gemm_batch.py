@@ -18,7 +18,6 @@ TFLOP/s, and the byte floor of each shape (weights + activations over the copy b
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -28,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402
-from attention import _bench, _bench_graph, measure_copy_bandwidth  # noqa: E402
+import common  # noqa: E402
+from common import bench_ms, gpu_parser, graph_ms, has_cuda, measure_copy_bandwidth  # noqa: E402
 from gemv import LAYERS, SHAPES  # noqa: E402
 
 COPIES = 4  # distinct weights per shape: 4 x 235 MB for gate_up already exceeds L2 (50 MB)
@@ -51,16 +50,16 @@ def gemm_ceiling(rep_ms: int) -> float:
     """TFLOP/s of one 8192^3 bf16 GEMM (the compute ceiling as the default path reaches it)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = _bench(lambda: a @ b, rep_ms)
+    ms = bench_ms(lambda: a @ b, rep_ms)
     return 2 * 8192**3 / ms / 1e9
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser = gpu_parser(__doc__.splitlines()[0], rep_ms=40)
     parser.add_argument("--rows", default="256")
-    parser.add_argument("--rep-ms", type=int, default=40)
     args = parser.parse_args()
+    if not has_cuda("gemm_batch"):
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -94,7 +93,7 @@ def main() -> None:
                 out = F.linear(xs[shape], weights[shape][0])  # tunes here (outside any capture)
                 err = ((out.float() - refs[shape]).abs().max() / refs[shape].abs().max()).item()
                 fns = [lambda w=w, x=xs[shape]: F.linear(x, w) for w in weights[shape]]
-                ms = _bench_graph(fns, args.rep_ms)
+                ms = graph_ms(fns, args.rep_ms)
                 floor_ms = (n * k + m * (n + k)) * 2 / copy_gbps / 1e6
                 row["shapes"][shape] = {
                     "ms": ms,
@@ -109,7 +108,7 @@ def main() -> None:
                         F.linear(xs[shape], weights[shape][layer % len(weights[shape])])
                 F.linear(xs["lm_head"], weights["lm_head"][0])
 
-            row["chain_ms"] = _bench_graph([chain], args.rep_ms)
+            row["chain_ms"] = graph_ms([chain], args.rep_ms)
             results["rows"].append(row)
             cells = "  ".join(
                 f"{s} {v['ms'] * 1e3:7.1f} us {v['tflops']:4.0f} TF/s" for s, v in row["shapes"].items()
@@ -133,7 +132,7 @@ def main() -> None:
 def plot(results: dict, path: Path) -> None:
     """TFLOP/s per layer shape and variant (one panel per row count), the ceiling as a line."""
     ms = sorted({r["m"] for r in results["rows"]})
-    drawn = plotting.subplots(path, 1, len(ms), figsize=(5 * len(ms), 4), squeeze=False)
+    drawn = common.subplots(path, 1, len(ms), figsize=(5 * len(ms), 4), squeeze=False)
     if drawn is None:
         return
     fig, axes = drawn
@@ -149,7 +148,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(f"M = {m}")
         ax.set_ylabel("TFLOP/s")
         ax.legend(fontsize=7)
-    plotting.save(fig, path, dpi=110)
+    common.save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,7 @@ chain a third time routed so.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,8 +26,8 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402
-from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
+import common  # noqa: E402
+from common import gpu_parser, graph_ms, has_cuda, measure_copy_bandwidth, write_results  # noqa: E402
 
 from pagedinfer.kernels.gemv import GemvConfig, config_for, gemv  # noqa: E402
 
@@ -101,17 +98,17 @@ def name_of(config: GemvConfig) -> str:
 
 def time_layer(fn, weights, x, rep_ms) -> float:
     """ms per call over the distinct weight copies (one graph)."""
-    return _bench_graph([lambda w=w: fn(x, w) for w in weights], rep_ms)
+    return graph_ms([lambda w=w: fn(x, w) for w in weights], rep_ms)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = gpu_parser(__doc__, rep_ms=40)
     ap.add_argument("--rows", default="1,2,4,8")
-    ap.add_argument("--rep-ms", type=int, default=40)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     args = ap.parse_args()
+    if not has_cuda("gemv"):
+        return
     hidden, inter, layers, shapes = model_shapes(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.dtype)
@@ -206,7 +203,7 @@ def main() -> None:
 
         t = {}
         for label, fn in (("torch", with_torch), ("triton", with_best), ("routed", routed)):
-            t[label] = _bench_graph([lambda fn=fn: chain(fn)], args.rep_ms)
+            t[label] = graph_ms([lambda fn=fn: chain(fn)], args.rep_ms)
         floor_ms = total_bytes / (copy_gbps * 1e9) * 1e3
         entry = {
             "m": m,
@@ -227,14 +224,12 @@ def main() -> None:
             f"| torch/triton {entry['torch_over_triton']:.3f}x | routed {t['routed']:.3f} ms"
         )
     results["best_configs"] = {f"{s}/{m}": name_of(c) for (s, m), (_, c) in best.items()}
-    results["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (args.out / "gemv.json").write_text(json.dumps(results, indent=1))
-    (args.out / "gemv_summary.txt").write_text("\n".join(lines) + "\n")
+    write_results(args.out, "gemv", results, lines)
     plot(results, args.out / "gemv.png")
 
 
 def plot(results: dict, path: Path) -> None:
-    drawn = plotting.subplots(path, figsize=(9, 4))
+    drawn = common.subplots(path, figsize=(9, 4))
     if drawn is None:
         return
     fig, ax = drawn
@@ -253,7 +248,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks(list(xs), labels, fontsize=6)
     ax.set_ylabel("weight bytes / time, fraction of copy bw")
     ax.legend()
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pagedinfer.engine.models.loader import load_model
 from pagedinfer.engine.models.testing import PagedRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402  (bench/ is not a package)
+import common  # noqa: E402  (bench/ is not a package)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -115,7 +115,7 @@ def main() -> None:
 
 
 def _plot(result: dict, path: Path) -> None:
-    drawn = plotting.subplots(path, 1, 2, figsize=(10, 4))
+    drawn = common.subplots(path, 1, 2, figsize=(10, 4))
     if drawn is None:
         return
     fig, (ax1, ax2) = drawn
@@ -133,7 +133,7 @@ def _plot(result: dict, path: Path) -> None:
     ax2.bar(["paged-infer", "transformers"], [loads["ours"], loads["transformers"]], color=["C0", "C1"])
     ax2.set_ylabel("seconds")
     ax2.set_title("load builtin GGUF")
-    plotting.save(fig, path, dpi=100)
+    common.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pagedinfer import _native
 from pagedinfer.engine.core import block_pool_ref as ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402  (bench/ is not a package)
+import common  # noqa: E402  (bench/ is not a package)
 
 BLOCK_SIZE = 16
 IMPLS = {"native": _native.BlockManager, "python_ref": ref.BlockManager}
@@ -237,7 +237,7 @@ def batch_cases(quick: bool) -> list[tuple[str, list[int]]]:
 
 # ---- report -----------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
-    drawn = plotting.subplots(path, 1, 2, figsize=(12, 4.5))
+    drawn = common.subplots(path, 1, 2, figsize=(12, 4.5))
     if drawn is None:
         return
     fig, (ax1, ax2) = drawn
@@ -265,7 +265,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("microseconds per build_batch (log)")
     ax2.set_title("build_batch, block size 16")
     ax2.legend(fontsize=8)
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)
 
 
 def _cpu_name() -> str:

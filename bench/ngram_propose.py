@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import graph_us  # noqa: E402
 from bench.editing_tasks import TEXTS  # noqa: E402
-from bench.graph_timing import graph_us  # noqa: E402
 from pagedinfer.engine.spec_decode.ngram import CONTEXT_WINDOW  # noqa: E402
 from pagedinfer.kernels import ngram_ops  # noqa: E402
 

@@ -19,17 +19,14 @@ Writes norm_epilogue.json and norm_epilogue_summary.txt.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
+from common import gpu_parser, graph_ms, has_cuda, measure_copy_bandwidth, write_results  # noqa: E402
 
 from pagedinfer.kernels import fused_ops  # noqa: E402
 from pagedinfer.kernels.gemv import config_for, gemv  # noqa: E402
@@ -126,8 +123,8 @@ def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, l
             return fused_ops.add_rms_norm(out, pre.h, g[layers], EPS, "triton")
 
         t = {
-            "norm kernels": _bench_graph([with_norm_kernels], rep_ms),
-            "epilogues": _bench_graph([with_epilogues], rep_ms),
+            "norm kernels": graph_ms([with_norm_kernels], rep_ms),
+            "epilogues": graph_ms([with_epilogues], rep_ms),
         }
         entry = {"model": model, "rows": rows, "bytes": total_bytes, "floor_ms": floor_ms}
         entry.update({f"{way}_ms": v for way, v in t.items()})
@@ -145,7 +142,7 @@ def bench_model(model: str, copy_gbps: float, rep_ms: int, say) -> tuple[list, l
 def time_ways(model, name, rows, shape, ways, copy_gbps, rep_ms, say) -> dict:
     n, k = shape
     floor_us = n * k * 2 / (copy_gbps * 1e9) * 1e6
-    t = {way: 1e3 * _bench_graph(fns, rep_ms) for way, fns in ways.items()}
+    t = {way: 1e3 * graph_ms(fns, rep_ms) for way, fns in ways.items()}
     base = next(iter(t))
     row = {"model": model, "shape": name, "rows": rows, "n": n, "k": k, "floor_us": floor_us}
     row.update({f"{way}_us": v for way, v in t.items()})
@@ -158,12 +155,8 @@ def time_ways(model, name, rows, shape, ways, copy_gbps, rep_ms, say) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rep-ms", type=int, default=25)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("norm_epilogue: needs a CUDA GPU; nothing measured")
+    args = gpu_parser(__doc__, rep_ms=25).parse_args()
+    if not has_cuda("norm_epilogue"):
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -187,9 +180,7 @@ def main() -> int:
         results["kernels"] += kernels
         results["chains"] += chains
         torch.cuda.empty_cache()
-    results["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (args.out / "norm_epilogue.json").write_text(json.dumps(results, indent=1))
-    (args.out / "norm_epilogue_summary.txt").write_text("\n".join(lines) + "\n")
+    write_results(args.out, "norm_epilogue", results, lines)
     return 0
 
 

@@ -15,16 +15,13 @@ Writes norm_gemv.json and norm_gemv_summary.txt (a PNG is not worth it for four 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import _bench_graph, measure_copy_bandwidth  # noqa: E402
+from common import gpu_parser, graph_ms, has_cuda, measure_copy_bandwidth, write_results  # noqa: E402
 
 from pagedinfer.kernels import fused_ops  # noqa: E402
 from pagedinfer.kernels.gemv import config_for, gemv  # noqa: E402
@@ -49,12 +46,8 @@ def folded(x, res, g, w):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rep-ms", type=int, default=40)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("norm_gemv: needs a CUDA GPU; nothing measured")
+    args = gpu_parser(__doc__, rep_ms=40).parse_args()
+    if not has_cuda("norm_gemv"):
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -89,8 +82,7 @@ def main() -> int:
         n, k = SHAPES[shape]
         floor_us = n * k * 2 / (copy_gbps * 1e9) * 1e6
         t = {
-            name: 1e3
-            * _bench_graph([lambda w=w, fn=fn: fn(x, res, g, w) for w in weights[shape]], args.rep_ms)
+            name: 1e3 * graph_ms([lambda w=w, fn=fn: fn(x, res, g, w) for w in weights[shape]], args.rep_ms)
             for name, fn in (("separate", separate), ("folded", folded))
         }
         row = {"shape": shape, "n": n, "k": k, "floor_us": floor_us, **{f"{k_}_us": v for k_, v in t.items()}}
@@ -112,7 +104,7 @@ def main() -> int:
     total_bytes = sum(n * k * 2 * LAYERS for n, k in SHAPES.values())
     floor_ms = total_bytes / (copy_gbps * 1e9) * 1e3
     t = {
-        name: _bench_graph([lambda fn=fn: chain(fn)], args.rep_ms)
+        name: graph_ms([lambda fn=fn: chain(fn)], args.rep_ms)
         for name, fn in (("separate", separate), ("folded", folded))
     }
     results["chain"] = {"bytes": total_bytes, "floor_ms": floor_ms, **{f"{k}_ms": v for k, v in t.items()}}
@@ -122,9 +114,7 @@ def main() -> int:
         f"({t['separate'] / floor_ms:.3f}x) | folded {t['folded']:.3f} ms ({t['folded'] / floor_ms:.3f}x) "
         f"| saved {1e3 * (t['separate'] - t['folded']):.0f} us a step"
     )
-    results["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (args.out / "norm_gemv.json").write_text(json.dumps(results, indent=1))
-    (args.out / "norm_gemv_summary.txt").write_text("\n".join(lines) + "\n")
+    write_results(args.out, "norm_gemv", results, lines)
     return 0
 
 

@@ -38,7 +38,7 @@ from pagedinfer.operator.testing import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402  (bench/ is not a package)
+import common  # noqa: E402  (bench/ is not a package)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAMESPACE = "bench"
@@ -233,7 +233,7 @@ async def run(engines: int, samples: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    drawn = plotting.subplots(path, 1, 3, figsize=(15, 4.2))
+    drawn = common.subplots(path, 1, 3, figsize=(15, 4.2))
     if drawn is None:
         return
     fig, axes = drawn
@@ -254,7 +254,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     }
     axes[2].bar(list(writes), list(writes.values()), color=["tab:blue", "tab:cyan", "tab:orange"])
     axes[2].set_title("API writes per no-op reconcile (target 0)")
-    plotting.save(fig, path, dpi=110)
+    common.save(fig, path, dpi=110)
 
 
 def summary(r: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-import plotting  # bench/ is on sys.path (bench/speculative.py puts it there)
+import common  # bench/ is on sys.path (bench/speculative.py puts it there)
 
 
 def solve_alpha(mean_emitted: float, k: int) -> float:
@@ -387,7 +387,7 @@ def plot(results: dict, path: Path) -> None:
     if not labels:
         return
     xs = range(len(labels))
-    drawn = plotting.subplots(path, figsize=(1.6 * len(labels) + 2, 4.5))
+    drawn = common.subplots(path, figsize=(1.6 * len(labels) + 2, 4.5))
     if drawn is None:
         return
     fig, ax = drawn
@@ -398,4 +398,4 @@ def plot(results: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title(f"Speculative decoding, {results['machine']['device']}, greedy")
     ax.legend()
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_cases as cases  # noqa: E402  (bench/ is not a package)
-import plotting  # noqa: E402
-from attention import ROTATE_BYTES, _bench_graph, measure_copy_bandwidth  # noqa: E402
+import common  # noqa: E402
+from common import ROTATE_BYTES, graph_ms, has_cuda, measure_copy_bandwidth  # noqa: E402
 
 from pagedinfer.kernels import extend_attention as ea  # noqa: E402
 from pagedinfer.kernels import ops  # noqa: E402
@@ -108,7 +108,7 @@ def bench_shape(heads, batch: int, q: int, context: int, width: int, copy_gbps: 
         err = (
             float((out.float() - ref.float()).norm() / ref.float().norm()) if name != "decode_1tok" else None
         )
-        row[name] = {"ms": _bench_graph(fns, rep_ms), "rel_err_vs_tiled": err}
+        row[name] = {"ms": graph_ms(fns, rep_ms), "rel_err_vs_tiled": err}
     del sets
     torch.cuda.empty_cache()
     row["short_vs_tiled"] = row["tiled"]["ms"] / row["short"]["ms"]
@@ -142,7 +142,7 @@ def summarize(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    drawn = plotting.subplots(path, 1, 1, figsize=(10, 4))
+    drawn = common.subplots(path, 1, 1, figsize=(10, 4))
     if drawn is None:
         return
     fig, ax = drawn
@@ -157,7 +157,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.set_title("verification attention: short-chunk kernel vs tiled extend vs one-token decode")
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)
 
 
 # --split-sweep: the short kernel at the speculative benchmark's shapes (q 5, block tables 1,024
@@ -170,7 +170,7 @@ SWEEP_TILES = ((64, 4), (32, 4), (32, 2))  # (block_n, num_warps)
 
 def _sweep_row(heads, batch: int, context: int, sets: list[dict], rep_ms: int) -> dict:
     def timed(make) -> float:
-        return _bench_graph([make(x) for x in sets], rep_ms) * 1e3
+        return graph_ms([make(x) for x in sets], rep_ms) * 1e3
 
     row = {"model": heads.name, "batch": batch, "context": context, "width": 1024}
     row["default_us"] = timed(_short_fn)
@@ -213,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "--split-sweep", action="store_true", help="only the split / tile sweep (see SWEEP_SHAPES)"
     )
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/verify_attention.py needs a CUDA GPU; nothing measured")
+    if not has_cuda("bench/verify_attention.py"):
         return 0
     torch.manual_seed(0)
     rep_ms = 20 if args.quick else 50

@@ -1,5 +1,5 @@
-"""bench/plotting.py: the bench scripts' shared figure helper draws a PNG, and without matplotlib
-it says so instead of raising (a bare GPU machine has written its JSON by then)."""
+"""bench/common.py: the shared figure helper draws a PNG, and without matplotlib it says so instead
+of raising (a bare GPU machine has written its JSON by then); the GPU scripts' command line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -21,14 +21,14 @@ def bench_import(monkeypatch):
 
 
 def test_subplots_then_save_writes_a_png_and_closes_the_figure(bench_import, tmp_path):
-    plotting = bench_import("plotting")
+    common = bench_import("common")
     path = tmp_path / "fake.png"
-    drawn = plotting.subplots(path, 1, 2, figsize=(4, 2))
+    drawn = common.subplots(path, 1, 2, figsize=(4, 2))
     assert drawn is not None
     fig, (ax1, ax2) = drawn
     ax1.bar(["a", "b"], [1.0, 2.0])
     ax2.plot([1, 2, 3], [3, 1, 2])
-    plotting.save(fig, path, dpi=50)
+    common.save(fig, path, dpi=50)
 
     data = path.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
@@ -40,19 +40,29 @@ def test_subplots_then_save_writes_a_png_and_closes_the_figure(bench_import, tmp
 
 
 def test_without_matplotlib_subplots_logs_and_returns_none(bench_import, monkeypatch, tmp_path, capsys):
-    plotting = bench_import("plotting")
+    common = bench_import("common")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     path = tmp_path / "fake.png"
-    assert plotting.subplots(path, figsize=(4, 2)) is None
+    assert common.subplots(path, figsize=(4, 2)) is None
     assert "matplotlib not installed: no plot fake.png" in capsys.readouterr().out
     assert not path.exists()
 
 
 def test_a_bench_plot_skips_without_matplotlib(bench_import, monkeypatch, tmp_path, capsys):
-    # native_core.plot imported matplotlib unguarded before bench/plotting.py; now it skips.
+    # native_core.plot imported matplotlib unguarded once; now it skips.
     native_core = bench_import("native_core")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     path = tmp_path / "native_core.png"
     native_core.plot({"op_mix": {}, "build_batch": []}, path)
     assert "no plot native_core.png" in capsys.readouterr().out
     assert not path.exists()
+
+
+def test_plotting_is_common_under_its_old_name(bench_import):
+    common, plotting = bench_import("common"), bench_import("plotting")
+    assert plotting.subplots is common.subplots and plotting.save is common.save
+
+
+def test_gpu_parser_takes_out_and_rep_ms(bench_import, tmp_path):
+    args = bench_import("common").gpu_parser("doc", rep_ms=25).parse_args(["--out", str(tmp_path)])
+    assert args.out == tmp_path and args.rep_ms == 25
