@@ -95,7 +95,10 @@ class DriverRunner(ModelRunner):
         self.model.workers.add_death_listener(callback)
 
     def close(self) -> None:
+        """Stop the workers and leave the process group (a later engine in this process may
+        form another: torch.distributed allows one default group at a time)."""
         self.model.workers.close()
+        self.model.shard.group.close()
 
 
 @dataclass
@@ -143,6 +146,7 @@ def start_tensor_parallel(
     address = GroupAddress("127.0.0.1", free_port(), tp)
     specs = [WorkerSpec(config, address, rank, str(device)) for rank in range(1, tp)]
     workers = WorkerSet(specs)
+    group = None
     try:
         group = TPGroup(address, 0, rank_device(device, 0))
         torch.manual_seed(config.seed)
@@ -150,6 +154,8 @@ def start_tensor_parallel(
         workers.wait_loaded(LOAD_TIMEOUT_S)
     except BaseException:
         workers.close(timeout_s=5.0)
+        if group is not None:
+            group.close()
         raise
     logger.info("tensor parallel: %d ranks over %s (%s)", tp, device.type, group.device)
     return TensorParallelEngine(DriverModel(shard, workers), plan.tokenizer)
