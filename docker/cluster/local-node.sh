@@ -22,13 +22,17 @@ cd "$REPO_ROOT" || exit 1 # ../shared/k8s keeps its state in ./.k8s of the worki
 
 log "starting the control plane and the node ($K8S)"
 KUBECTL=$(command -v kubectl) "$K8S/up.sh" >&2
-"$K8S/node-up.sh" >&2
 export KUBECONFIG=$REPO_ROOT/.k8s/kubeconfig
+# (node-up.sh is idempotent, but its image check can trip over a long image list: skip a Ready node)
+if ! kubectl wait --for=condition=Ready node --all --timeout=1s >/dev/null 2>&1; then
+  "$K8S/node-up.sh" >&2
+fi
 
 log "building the images (cached by content hash)"
 eval "$("$REPO_ROOT/docker/build_local_images.sh")"
+node_images=$("$K8S/images.sh" ls) # (a variable: grep -q closing a pipe early fails under pipefail)
 for image in "$ENGINE_IMAGE" "$OPERATOR_IMAGE"; do
-  if ! "$K8S/images.sh" ls | grep -qxF "$image"; then
+  if ! grep -qxF "$image" <<<"$node_images"; then
     "$K8S/images.sh" import "$image" >&2
   fi
 done

@@ -1,7 +1,8 @@
 """Fixtures for the suites that run against a real Kubernetes API server.
 
 scripts/test.sh starts ../shared/k8s (etcd + kube-apiserver + kube-controller-manager v1.36, no
-node: pods stay Pending) and exports KUBECONFIG; without KUBECONFIG every test here is skipped
+node: pods stay Pending; each namespace here gets a zero-pod quota for runs with a node) and
+exports KUBECONFIG; without KUBECONFIG every test here is skipped
 with one reason. Each test gets its own namespace; cluster-scoped objects carry unique names.
 """
 
@@ -41,6 +42,12 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Cli:
 def namespace(cli: Cli) -> Iterator[str]:
     name = f"pi-{uuid.uuid4().hex[:8]}"
     cli.kubectl("create", "namespace", name)
+    # These suites check API objects. Where the cluster has a node (tests/e2e's), the pods of their
+    # Deployments would start, fail to pull their image and change status under the tests: a
+    # zero-pod quota keeps every run the same (the ReplicaSets report the quota instead).
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods", "namespace": name}}
+    quota["spec"] = {"hard": {"pods": "0"}}
+    cli.apply(quota)
     try:
         yield name
     finally:

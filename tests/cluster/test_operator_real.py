@@ -2,7 +2,7 @@
 
 The chart is installed namespaced (a Role in one namespace, the least it can be given); the
 operator runs in-process under that token, so every call it makes meets real RBAC, admission,
-CEL, the scale subresource and the garbage collector. No node: pods stay Pending.
+CEL, the scale subresource and the garbage collector. No pods (a zero-pod quota, conftest.py).
 """
 
 from __future__ import annotations
@@ -115,16 +115,19 @@ async def test_engine_lifecycle_as_the_charts_service_account(
         assert pool["targetPorts"] == [{"number": 8000}]
         assert pool["endpointPickerRef"]["name"] == "smollm2-epp"
 
-        # Status while the pods are Pending (no node): truthful, in the printer columns too.
+        # Status while no pod can be created (the namespace's zero-pod quota, conftest.py):
+        # truthful, in the printer columns too.
         status = await until(
             lambda: (
                 (cli.get("inferenceengine", "smol", namespace) or {}).get("status", {}).get("inferencePool")
+                and cli.get("inferenceengine", "smol", namespace)["status"].get("phase") == "Failed"
                 and cli.get("inferenceengine", "smol", namespace)["status"]
             )
         )
-        assert status["ready"] == "0/2" and status["phase"] in ("Pending", "Loading")
+        assert status["ready"] == "0/2"
         conds = {c["type"]: c for c in status["conditions"]}
         assert conds["Available"]["status"] == "False"
+        assert conds["Degraded"]["reason"] == "ReplicaFailure" and "quota" in conds["Degraded"]["message"]
         assert conds["RoutingConfigured"]["status"] == "True"
         columns = cli.kubectl("get", "ie", "smol", "-n", namespace, "--no-headers").split()
         assert columns[1] == "0/2" and columns[2] == status["phase"] and columns[4] == "smollm2"
