@@ -263,7 +263,7 @@ def _volumes(inp: RenderInput, sources: list[ModelSource], has_models_volume: bo
         else:
             volumes.append({"name": MODELS_VOLUME, "emptyDir": {}})
     if inp.is_gpu:
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(inp)}})
     seen: set[str] = set()
     for source in sources:
         for volume in source.volumes:
@@ -271,6 +271,13 @@ def _volumes(inp: RenderInput, sources: list[ModelSource], has_models_volume: bo
                 seen.add(volume["name"])
                 volumes.append(volume)
     return volumes
+
+
+def shm_size(inp: RenderInput) -> str:
+    """The memory-backed /dev/shm of a GPU pod: 1 GiB per tensor-parallel rank. NCCL's
+    shared-memory transport between the ranks of one pod and torch's IPC buffers live there (a
+    container's default 64 MiB makes NCCL fail or fall back); it counts against the memory limit."""
+    return f"{inp.spec.engine.tensor_parallel_size}Gi"
 
 
 def _tolerations(inp: RenderInput) -> list[dict[str, Any]]:

@@ -81,6 +81,12 @@ INVALID = [
         "spec.engine.tensorParallelSize",
         "<= gpus",
     ),
+    (
+        "tp-one-above-gpus",
+        {**_with("engine.tensorParallelSize", 3), "resources": {"gpus": 2}},
+        "spec.engine.tensorParallelSize",
+        "tensorParallelSize must be 1 on the CPU and <= gpus on GPUs",
+    ),
     ("too-many-gpus", _with("resources.gpus", 64), "spec.resources.gpus", "less than or equal to 16"),
     (
         "grace-too-short",
@@ -123,6 +129,16 @@ def test_invalid_engine_is_rejected_naming_the_field(
     assert field in message, message
     assert words in message, message
     assert cli.get("inferenceengine", "bad", namespace) is None
+
+
+@pytest.mark.parametrize(("gpus", "tp"), [(2, 2), (4, 2), (8, 8)])
+def test_tensor_parallel_within_gpus_is_accepted(cli: Cli, crds: None, namespace: str, gpus: int, tp: int):
+    name = f"tp{tp}-of-{gpus}"
+    cli.apply(
+        engine(name, namespace, {**_with("engine.tensorParallelSize", tp), "resources": {"gpus": gpus}})
+    )
+    live = cli.get("inferenceengine", name, namespace)
+    assert live["spec"]["engine"]["tensorParallelSize"] == tp and live["spec"]["resources"]["gpus"] == gpus
 
 
 def test_bad_name_is_rejected(cli: Cli, crds: None, namespace: str):

@@ -203,3 +203,30 @@ def test_operator_config_images_and_prefix_caching_off():
 def test_validates_offline_against_kubernetes_schema(spec):
     dep = build_deployment(render_input(spec))
     assert kubernetes_validate.validate(dep, "1.30.0", strict=True)
+
+
+@pytest.mark.parametrize(("gpus", "tp"), [(1, 1), (2, 2), (4, 2), (8, 8)])
+def test_tensor_parallel_size_drives_flag_gpus_and_shared_memory(gpus, tp):
+    spec = copy.deepcopy(FULL_SPEC)
+    spec["resources"]["gpus"] = gpus
+    spec["engine"]["tensorParallelSize"] = tp
+    dep = build_deployment(render_input(spec))
+    pod, c = pod_spec(dep), engine_container(dep)
+    assert arg_value(c["args"], "--tensor-parallel-size") == str(tp)
+    assert (
+        c["resources"]["requests"]["nvidia.com/gpu"]
+        == str(gpus)
+        == c["resources"]["limits"]["nvidia.com/gpu"]
+    )
+    # NCCL's shared-memory transport between the ranks: memory-backed, 1 GiB per rank
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{tp}Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    kubernetes_validate.validate(dep, "1.33", strict=True)
+
+
+def test_tensor_parallel_above_gpus_is_refused():
+    spec = copy.deepcopy(FULL_SPEC)
+    spec["engine"]["tensorParallelSize"] = 4
+    with pytest.raises((SpecError, ValueError), match="tensorParallelSize must be 1 on the CPU and <= gpus"):
+        build_deployment(render_input(spec))
