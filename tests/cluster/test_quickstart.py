@@ -91,6 +91,8 @@ async def test_quickstart_page_runs_on_a_real_api_server(cli: Cli, crds: None):
                         )
             await asyncio.to_thread(_wait_for, lambda: not cli.items("inferenceengines", "demo"), 30)
     finally:
+        # the page's operator release owns cluster-scoped objects a namespace deletion leaves behind
+        cli.helm("uninstall", "pagedinfer-operator", "-n", "pagedinfer-system", "--ignore-not-found")
         for ns in NAMESPACES:
             cli.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
     explain = next(v for k, v in outputs.items() if k.startswith("kubectl explain"))
