@@ -109,6 +109,15 @@ step bench_norm_gemv "$PY" bench/norm_gemv.py --out "$OUTDIR" --rep-ms 25
 step bench_norm_epilogue "$PY" bench/norm_epilogue.py --out "$OUTDIR" --rep-ms 25
 # one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
 step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
+# tensor parallelism (issue 48): one decode step of the 8B shape and of the 70B shape with 20
+# layers, tp 1 vs tp 2 over NCCL, against floors from bytes and the measured all-reduce (~2 min);
+# only where at least 2 GPUs are visible
+if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0) -ge 2 ]]; then
+  step bench_tensor_parallel "$PY" -P bench/tensor_parallel.py --out "$OUTDIR" --tps 1,2 --shapes 8b,70b \
+    --layers-70b "${TP_LAYERS_70B:-20}" --batches 1,64
+else
+  echo "- bench_tensor_parallel: not run (fewer than 2 GPUs visible)" >>"$SUMMARY"
+fi
 # Probes (PROBES=all, ~+2.5 min): where a decode step's time goes (torch.profiler kernel time vs
 # wall time per step, 8B shape; ~22 s), the batch-256 step's GEMMs under cuBLAS / cuBLASLt /
 # TunableOp (~40 s), transformers' static batch at 64/256/512 (~90 s), a verification step's kernels.
