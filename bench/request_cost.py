@@ -17,8 +17,8 @@ routing, middleware, validation, prompt handling, the hand-off to the engine cor
   request, median [min-max] over interleaved rounds, and time to first SSE chunk p50/p99.
 - `--tree DIR` serves another checkout's `pagedinfer` (DIR/pagedinfer/engine/...) as the
   "before" config, interleaved with the working tree.
-- `--loops asyncio,uvloop` runs each server once per event loop (uvicorn's names, picked the
-  way `pagedinfer serve --loop` picks them), interleaved; the configs are named by loop.
+- `--loops asyncio,uvloop` runs each server once per event loop (uvicorn's names; `pagedinfer
+  serve` takes auto: uvloop where installed), interleaved; the configs are named by loop.
 - `--profile FILE`: cProfile of one server's event-loop thread over the bursts.
 
 Run: .venv/bin/python bench/request_cost.py [--rounds 7] [--bursts 4] [--tree /tmp/before]

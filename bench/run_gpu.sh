@@ -228,9 +228,9 @@ probe profile_spec_ngram_b8 "$PY" -P bench/profile_spec.py --out "$OUTDIR" --wor
 # Llama-3-8B shape, 128k vocab, no network); the server as shipped (engine core in its own
 # process on a GPU); two engines at 0.28 of the GPU each; ~1 min (capped at 5). More variants,
 # one more engine each (~+30 s): SERVING_BENCH_ARGS="--variant inproc=--no-engine-process" (the
-# engine in the server's process), "--variant gil0.5=--gil-switch-interval-ms=0.5", several
-# API-server processes in front of one core: "--variant as2=--api-server-count=2 --variant
-# as4=--api-server-count=4" (one engine each too); the steady state of N users:
+# engine in the server's process), several API-server processes in front of one core:
+# "--variant as2=--api-server-count=2 --variant as4=--api-server-count=4" (one engine each
+# too); the steady state of N users:
 # SERVING_BENCH_ARGS="--requests-per-client 4 --concurrency 16,64"
 # shellcheck disable=SC2086  # SERVING_BENCH_ARGS splits into words
 step bench_serving timeout 300 "$PY" bench/serving.py --device cuda --random-model "${SERVING_RANDOM_MODEL:-llama-8b}" \

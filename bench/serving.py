@@ -300,15 +300,10 @@ class Server:
 # ---- the sweep --------------------------------------------------------------------------------
 async def _offline_engine(args):
     from pagedinfer.engine.async_engine import AsyncEngine
-    from pagedinfer.engine.server.cli_args import (
-        add_serve_parser,
-        apply_process_settings,
-        engine_config_from_args,
-    )
+    from pagedinfer.engine.server.cli_args import add_serve_parser, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     ns = add_serve_parser(parser.add_subparsers()).parse_args(server_args(args))
-    apply_process_settings(ns)  # e.g. --gil-switch-interval-ms: the peer runs as the server does
     if args.torch_threads:
         import torch
 

@@ -69,8 +69,6 @@ class ApiServerSpec:
 
     index: int
     count: int
-    loop: str = "auto"
-    switch_interval_s: float | None = None
 
 
 def bind_http_sockets(host: str, port: int, count: int) -> list[socket.socket]:
@@ -165,12 +163,7 @@ def api_server_engine_config(config: EngineConfig, count: int) -> EngineConfig:
     return dataclasses.replace(config, scheduler=dataclasses.replace(scheduler, max_waiting_requests=share))
 
 
-def run_api_servers(
-    engine_config: EngineConfig,
-    server_config: ServerConfig,
-    loop: str = "auto",
-    switch_interval_s: float | None = None,
-) -> int:
+def run_api_servers(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """The launcher: start the core and the API servers, forward signals, reap; the exit code."""
     from pagedinfer.engine.shared_core import start_shared_core
 
@@ -197,7 +190,7 @@ def run_api_servers(
         servers = []
         for index, ((conn, core_end), sock) in enumerate(zip(pipes, sockets, strict=True)):
             core_end.close()  # the core holds it: its exit must end the API server's pipe
-            spec = ApiServerSpec(index, count, loop, switch_interval_s)
+            spec = ApiServerSpec(index, count)
             process = ctx.Process(
                 target=api_server_main,
                 args=(engine_config, server_config, spec, conn, sock),
@@ -288,8 +281,6 @@ def api_server_main(
         level=logging.INFO, format=SERVER_LOG_FORMAT.replace("%(name)s", f"%(name)s[{spec.index}]")
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher forwards it
-    if spec.switch_interval_s is not None:
-        sys.setswitchinterval(spec.switch_interval_s)
     _exit_with_launcher()
     from pagedinfer.engine.server.engine_handle import shared_core_loader
     from pagedinfer.engine.server.serve import ServerProcess, event_loop_factory
@@ -300,7 +291,7 @@ def api_server_main(
         server = ServerProcess(config, server_config, shared_core_loader(conn), spec.index, [sock])
         return await server.run()
 
-    with asyncio.Runner(loop_factory=event_loop_factory(spec.loop)) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         code = runner.run(main())
     sys.exit(code)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import sys
 from collections.abc import Callable
 
 from pagedinfer.engine.config import (
@@ -57,32 +57,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     )
     eng.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens)
     eng.add_argument(
-        "--speculative-ngram-match",
-        choices=["folded", "exact"],
-        default=SpeculativeConfig.ngram_match,
-        help="ngram: where the ids match nowhere, also match tokens up to a leading space and letter "
-        "case ('The' finds ' the'; the drafts stay the tokens that followed), or exact ids only",
-    )
-    eng.add_argument(
-        "--speculative-device-chain",
-        action=argparse.BooleanOptionalAction,
-        default=SpeculativeConfig.device_chain,
-        help="batches (greedy or sampled, without penalties, min_tokens or logprobs) accept and draft on the "
-        "device (prompt lookup, or the draft model), so speculative steps are planned ahead with "
-        "--async-scheduling (off: every speculative step is synchronous)",
-    )
-    eng.add_argument(
-        "--speculative-device-chain-steps",
-        type=int,
-        default=SpeculativeConfig.device_chain_steps,
-        help="chained ngram steps launched back to back per host pass (planned and applied as one)",
-    )
-    eng.add_argument(
-        "--speculative-device-drafts",
-        action=argparse.BooleanOptionalAction,
-        default=SpeculativeConfig.device_drafts,
-        help="draft model: drafts (greedy, or sampled without penalties) stay on the device and "
-        "feed the verification there (off: the host reads each draft step's tokens)",
+        "--speculative-config",
+        type=speculative_config_arg,
+        default=None,
+        metavar="JSON",
+        help="experts: a JSON object overriding speculation's internal choices, keys "
+        + ", ".join(SPECULATIVE_CONFIG_KEYS)
+        + " (docs/serving.md)",
     )
     eng.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -136,18 +117,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "ports; > 1 runs the engine in its own process. auto (default): 1 when the engine core "
         "runs in-process (the CPU default, --no-engine-process), else one per 4 usable CPUs, 1 to 4",
     )
-    srv.add_argument(
-        "--loop",
-        choices=["auto", "asyncio", "uvloop"],
-        default="auto",
-        help="event loop of the HTTP and gRPC servers (auto: uvloop where installed, else asyncio)",
-    )
-    srv.add_argument(
-        "--gil-switch-interval-ms",
-        type=float,
-        default=None,
-        help="sys.setswitchinterval for this process (Python's default: 5 ms); see apply_process_settings",
-    )
     p.set_defaults(func=run_serve_command)
     return p
 
@@ -161,10 +130,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit("--speculative-model is used only with --speculative-method draft")
     if args.num_speculative_tokens < 1:
         raise SystemExit(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
-    if args.speculative_device_chain_steps < 1:
-        raise SystemExit(
-            f"--speculative-device-chain-steps must be >= 1, got {args.speculative_device_chain_steps}"
-        )
+    if args.speculative_config and args.speculative_method is None:
+        raise SystemExit("--speculative-config is used only with --speculative-method")
     cache = CacheConfig(
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -182,10 +149,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.speculative_model,
-        ngram_match=args.speculative_ngram_match,
-        device_chain=args.speculative_device_chain,
-        device_chain_steps=args.speculative_device_chain_steps,
-        device_drafts=args.speculative_device_drafts,
+        **(args.speculative_config or {}),
     )
     device = DeviceConfig(device=args.device, dtype=args.dtype, enable_cuda_graphs=not args.enforce_eager)
     config = EngineConfig(
@@ -222,16 +186,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def apply_process_settings(args: argparse.Namespace) -> None:
-    """The GIL switch interval: the engine thread drops the GIL in every syscall and device wait
-    (and in each wake-up of the event loop), and then waits up to one interval for the asyncio
-    thread, busy encoding responses, to hand it back. Shorter means less engine stall per step."""
-    if args.gil_switch_interval_ms is not None:
-        if args.gil_switch_interval_ms <= 0:
-            raise SystemExit("--gil-switch-interval-ms must be > 0")
-        sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
-
-
 def wants_engine_process(args: argparse.Namespace) -> bool:
     """--engine-process/--no-engine-process, else on for GPU serving: with GPU-short steps the
     server's per-token work on the engine's GIL cost 13-27% of the tokens/s at 16-64 streams
@@ -243,6 +197,51 @@ def wants_engine_process(args: argparse.Namespace) -> bool:
     import torch
 
     return args.device.startswith("cuda") or torch.cuda.is_available()
+
+
+# --speculative-config: SpeculativeConfig's fields that speculation otherwise chooses itself (the
+# ones with a flag of their own stay flags), each with its check. Unknown keys are refused.
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_fraction(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+SPECULATIVE_CONFIG_KEYS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "ngram_match": (lambda v: v in ("folded", "exact"), '"folded" or "exact"'),
+    "ngram_min": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "ngram_max": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "device_chain": (lambda v: isinstance(v, bool), "true or false"),
+    "device_chain_steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "device_drafts": (lambda v: isinstance(v, bool), "true or false"),
+    "max_batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "min_acceptance_rate": (_is_fraction, "a number from 0 to 1"),
+}
+
+
+def speculative_config_arg(text: str) -> dict[str, object]:
+    """argparse type of --speculative-config: a JSON object of SPECULATIVE_CONFIG_KEYS, each
+    value checked; the first bad key is named."""
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from exc
+    if not isinstance(overrides, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    for key, value in overrides.items():
+        if key not in SPECULATIVE_CONFIG_KEYS:
+            known = ", ".join(SPECULATIVE_CONFIG_KEYS)
+            raise argparse.ArgumentTypeError(f"unknown key {key!r} (known: {known})")
+        is_valid, expected = SPECULATIVE_CONFIG_KEYS[key]
+        if not is_valid(value):
+            raise argparse.ArgumentTypeError(f"{key} must be {expected}, got {json.dumps(value)}")
+    low = overrides.get("ngram_min", SpeculativeConfig.ngram_min)
+    high = overrides.get("ngram_max", SpeculativeConfig.ngram_max)
+    if low > high:
+        raise argparse.ArgumentTypeError(f"ngram_min ({low}) must be <= ngram_max ({high})")
+    return overrides
 
 
 def api_server_count_arg(text: str) -> int | str:
@@ -289,14 +288,9 @@ def run_serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=SERVER_LOG_FORMAT)  # before auto's line is logged
     # Resolved once: every later reader (server config, launcher) sees the int.
     args = argparse.Namespace(**{**vars(args), "api_server_count": resolve_api_server_count(args)})
-    apply_process_settings(args)
     if args.api_server_count > 1:
         from pagedinfer.engine.server.api_servers import run_api_servers
 
-        switch_s = None if args.gil_switch_interval_ms is None else args.gil_switch_interval_ms / 1000
-        config = engine_config_from_args(args)
-        return run_api_servers(
-            config, server_config_from_args(args), loop=args.loop, switch_interval_s=switch_s
-        )
+        return run_api_servers(engine_config_from_args(args), server_config_from_args(args))
     loader = engine_process_loader if wants_engine_process(args) else default_loader
-    return run_server(engine_config_from_args(args), server_config_from_args(args), loader, loop=args.loop)
+    return run_server(engine_config_from_args(args), server_config_from_args(args), loader)

@@ -162,21 +162,20 @@ def event_loop_factory(name: str = "auto") -> Callable[[], asyncio.AbstractEvent
     """uvicorn's own loop choice: "auto" is uvloop where it imports (as `uvicorn[standard]`
     serves), else asyncio's. Chosen before any loop exists because HTTP, grpc.aio and the engine
     handle share the one loop. uvloop: ~20-40 us less server CPU per streamed request
-    (bench/NOTES.md, Round 5)."""
+    (bench/NOTES.md, Round 5). `name` other than "auto" is for tests and bench/request_cost.py."""
     try:  # log_config=None: this Config only picks the loop, it must not reconfigure logging
         return uvicorn.Config(app=None, loop=name, log_config=None).get_loop_factory()
-    except ModuleNotFoundError as exc:  # --loop uvloop where it is not installed
-        raise SystemExit(f"--loop {name}: {exc}") from exc
+    except ModuleNotFoundError as exc:  # "uvloop" where it is not installed
+        raise SystemExit(f"event loop {name}: {exc}") from exc
 
 
 def run_server(
     engine_config: EngineConfig,
     server_config: ServerConfig,
     loader: EngineLoader = default_loader,
-    loop: str = "auto",
 ) -> int:
     logging.basicConfig(level=logging.INFO, format=SERVER_LOG_FORMAT)
-    loop_factory = event_loop_factory(loop)
+    loop_factory = event_loop_factory()
 
     async def main() -> int:  # the gRPC server and events bind to the loop the runner makes
         return await ServerProcess(engine_config, server_config, loader).run()

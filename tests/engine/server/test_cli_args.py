@@ -107,29 +107,54 @@ def test_the_cli_refuses_several_api_servers_without_an_engine_process():
     assert result.returncode != 0 and "drop --no-engine-process" in result.stderr, result
 
 
-@pytest.mark.parametrize(("flag", "expected"), [([], True), (["--no-speculative-device-chain"], False)])
-def test_speculative_device_chain_flag(flag, expected):
+def _speculative(*argv: str):
     from pagedinfer.engine.server.cli_args import engine_config_from_args
 
-    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
-    spec = engine_config_from_args(args).speculative
-    assert spec.method == "ngram" and spec.device_chain is expected
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *argv])
+    return engine_config_from_args(args).speculative
 
 
-@pytest.mark.parametrize(("flag", "expected"), [([], 4), (["--speculative-device-chain-steps", "2"], 2)])
-def test_speculative_device_chain_steps_flag(flag, expected):
-    from pagedinfer.engine.server.cli_args import engine_config_from_args
+def test_speculation_chooses_its_strategy_without_a_speculative_config():
+    from pagedinfer.engine.config import SpeculativeConfig
 
-    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
-    assert engine_config_from_args(args).speculative.device_chain_steps == expected
+    spec = _speculative()
+    assert spec == SpeculativeConfig(
+        method="ngram"
+    )  # the defaults: device chains of 4, device drafts, folded
+    assert spec.device_chain and spec.device_drafts and spec.device_chain_steps == 4
+    assert spec.ngram_match == "folded"
 
 
-@pytest.mark.parametrize(("flag", "expected"), [([], True), (["--no-speculative-device-drafts"], False)])
-def test_speculative_device_drafts_flag(flag, expected):
-    from pagedinfer.engine.server.cli_args import engine_config_from_args
+def test_speculative_config_overrides_the_internal_choices():
+    text = '{"device_chain": false, "device_chain_steps": 2, "device_drafts": false, "ngram_match": "exact",'
+    text += ' "ngram_min": 2, "ngram_max": 3, "max_batch_size": 8, "min_acceptance_rate": 0}'
+    spec = _speculative("--speculative-config", text)
+    assert (spec.device_chain, spec.device_chain_steps, spec.device_drafts) == (False, 2, False)
+    assert (spec.ngram_match, spec.ngram_min, spec.ngram_max) == ("exact", 2, 3)
+    assert (spec.max_batch_size, spec.min_acceptance_rate) == (8, 0)
 
-    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-method", "ngram", *flag])
-    assert engine_config_from_args(args).speculative.device_drafts is expected
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"device_chian": false}', "unknown key 'device_chian' (known: ngram_match, "),
+        ('{"num_speculative_tokens": 3}', "unknown key 'num_speculative_tokens'"),
+        ('{"device_chain_steps": 0}', "device_chain_steps must be an integer >= 1, got 0"),
+        ('{"device_chain_steps": true}', "device_chain_steps must be an integer >= 1, got true"),
+        ('{"device_drafts": "no"}', 'device_drafts must be true or false, got "no"'),
+        ('{"ngram_match": "fuzzy"}', 'ngram_match must be "folded" or "exact", got "fuzzy"'),
+        ('{"min_acceptance_rate": 1.5}', "min_acceptance_rate must be a number from 0 to 1, got 1.5"),
+        ('{"ngram_min": 5}', "ngram_min (5) must be <= ngram_max (4)"),
+        ("[1]", "expected a JSON object"),
+        ("{device_chain: 1}", "not JSON"),
+    ],
+)
+def test_a_bad_speculative_config_is_a_startup_error_naming_the_key(text, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-method", "ngram", "--speculative-config", text])
+    err = capsys.readouterr().err
+    assert "argument --speculative-config:" in err
+    assert message in err, err
 
 
 @pytest.mark.parametrize(
@@ -142,7 +167,7 @@ def test_speculative_device_drafts_flag(flag, expected):
         ),
         (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "must be >= 1, got 0"),
         (["--num-speculative-tokens", "-2"], "must be >= 1, got -2"),
-        (["--speculative-method", "ngram", "--speculative-device-chain-steps", "0"], "must be >= 1, got 0"),
+        (["--speculative-config", '{"device_chain": false}'], "only with --speculative-method"),
         (["--speculative-method", "draft"], "needs --speculative-model"),
     ],
 )

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 @pytest.mark.parametrize(
     "extra_args",
-    [(), ("--engine-process", "--gil-switch-interval-ms", "1")],
+    [(), ("--engine-process",)],
     ids=["in-process", "engine-process"],
 )
 def test_startup_probes_while_loading_then_sigterm_drain(server_proc_cls, extra_args) -> None:

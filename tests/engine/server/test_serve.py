@@ -1,9 +1,10 @@
-"""The event loop `pagedinfer serve` runs HTTP and gRPC on (`--loop`): uvicorn's choice, uvloop
-where it imports, asyncio otherwise; both loops serve gRPC and HTTP and drain on SIGTERM."""
+"""The event loop `pagedinfer serve` runs HTTP and gRPC on: uvicorn's choice, uvloop where it
+imports, asyncio otherwise; both loops serve gRPC and HTTP and drain on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import grpc
@@ -34,18 +35,23 @@ def test_without_uvloop_auto_falls_back_and_uvloop_is_refused(monkeypatch) -> No
     monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` now raises ImportError
     monkeypatch.delitem(sys.modules, "uvicorn.loops.uvloop", raising=False)
     assert issubclass(_loop_type("auto"), asyncio.SelectorEventLoop)
-    with pytest.raises(SystemExit, match="--loop uvloop"):
+    with pytest.raises(SystemExit, match="event loop uvloop"):
         event_loop_factory("uvloop")
 
 
 @pytest.mark.parametrize(
-    ("flag", "loop_name"),
-    [((), "uvloop.Loop"), (("--loop", "asyncio"), "asyncio.unix_events._UnixSelectorEventLoop")],
+    ("has_uvloop", "loop_name"),
+    [(True, "uvloop.Loop"), (False, "asyncio.unix_events._UnixSelectorEventLoop")],
 )
 def test_grpc_and_http_stream_on_the_loop_then_sigterm_exits_0(
-    server_proc_cls, tiny_model, flag, loop_name
+    server_proc_cls, tiny_model, tmp_path, has_uvloop, loop_name
 ) -> None:
-    proc = server_proc_cls(extra_args=flag, model=tiny_model).start()
+    env = {}
+    if not has_uvloop:  # a `uvloop` package first on the path that fails to import: auto falls back
+        (tmp_path / "uvloop").mkdir()
+        (tmp_path / "uvloop" / "__init__.py").write_text("raise ImportError('uvloop hidden by the test')\n")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    proc = server_proc_cls(model=tiny_model, env=env).start()
     try:
         proc.wait_ready()
         assert f"event loop: {loop_name}\n" in proc.log(), proc.log()[-2000:]
