@@ -9,6 +9,7 @@ launcher) restarts it, whether or not the engine thread is still blocked in a co
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -66,6 +67,7 @@ class WorkerSet:
             self.conns = [by_rank[spec.rank] for spec in specs]
         self.dead_reason: str | None = None
         self._is_closing = False
+        atexit.register(self.close)  # an engine nobody closed: stop its workers with the process
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
 
@@ -152,8 +154,11 @@ class WorkerSet:
         os._exit(EXIT_CODE_WORKER_DIED)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop every worker (StopCall), then join; kill what does not exit in time."""
+        """Stop every worker (StopCall), then join; kill what does not exit in time. Idempotent."""
+        if self._is_closing:
+            return
         self._is_closing = True
+        atexit.unregister(self.close)
         for conn in self.conns:
             try:
                 conn.send(StopCall())

@@ -122,23 +122,18 @@ def _mixed_run(engine: LLM) -> tuple[list[list[list[int]]], dict]:
     return outputs, {**stats, **core_stats}
 
 
+def _greedy_run(engine: LLM, prompt: list[int]) -> tuple[list[int], dict]:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return engine.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids, {}
+
+
 def _compare(model: str, tp: int, prompt: list[int], *, is_mixed: bool, atol: float = 1e-4) -> None:
     results = {}
     for size in (1, tp):
         engine = LLM(_config(model, size, is_mixed=is_mixed))
         try:
             logits = _logits(engine, prompt)
-            run = (
-                _mixed_run(engine)
-                if is_mixed
-                else (
-                    engine.generate(
-                        prompt_token_ids=[prompt],
-                        sampling_params=SamplingParams(max_tokens=16, temperature=0.0),
-                    )[0].token_ids,
-                    {},
-                )
-            )
+            run = _mixed_run(engine) if is_mixed else _greedy_run(engine, prompt)
             results[size] = (logits, *run)
         finally:
             engine.core.close()
