@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from pagedinfer.engine.config import EngineConfig
 from pagedinfer.engine.core.scheduler_output import StepStats
-from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage, merge_outputs
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineDeadError"]
 

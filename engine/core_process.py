@@ -24,9 +24,9 @@ from typing import Any
 
 from pagedinfer.engine.config import EngineConfig
 from pagedinfer.engine.core.scheduler_output import StepStats
-from pagedinfer.engine.errors import EngineOverloadedError
+from pagedinfer.engine.errors import EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

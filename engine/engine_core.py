@@ -24,12 +24,12 @@ from pagedinfer.engine.core.scheduler_output import (
     StepStats,
 )
 from pagedinfer.engine.core.spec_lookahead import plan_spec_lookahead, resolve_spec_lookahead
-from pagedinfer.engine.errors import EngineOverloadedError
+from pagedinfer.engine.errors import EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.output_processor import OutputProcessor
 from pagedinfer.engine.outputs import RequestOutput
 from pagedinfer.engine.request import Request
 from pagedinfer.engine.request_checks import RequestLimits, check_request
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

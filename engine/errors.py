@@ -1,4 +1,4 @@
-"""Engine errors that servers translate to status codes (InvalidRequestError is in sampling_params)."""
+"""Engine errors that servers translate to status codes."""
 
 from __future__ import annotations
 
@@ -12,3 +12,15 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The step loop stopped (shutdown or a fatal error); no new requests are accepted."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never serve (bad parameter, prompt too long, ...).
+
+    Servers map it to gRPC INVALID_ARGUMENT / HTTP 400 / a WebSocket error message; `param`
+    names the request field at fault, where known (OpenAI's error `param`).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from pagedinfer.engine.config import DEFAULT_MODEL_URI, DeviceConfig, EngineConfig, SchedulerConfig
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.errors import InvalidRequestError
+from pagedinfer.engine.sampling_params import SamplingParams
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.errors import InvalidRequestError
+from pagedinfer.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,20 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (spec.py imports InvalidRequestError from here)
+from pagedinfer.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
     from pagedinfer.engine.structured.spec import StructuredOutput
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine can never serve (bad parameter, prompt too long, ...).
-
-    Servers map it to gRPC INVALID_ARGUMENT / HTTP 400 / a WebSocket error message; `param`
-    names the request field at fault, where known (OpenAI's error `param`).
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

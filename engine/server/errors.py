@@ -5,8 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.server.engine_handle import NotServingError
 from pagedinfer.engine.server.generation import ModelNotFoundError
 

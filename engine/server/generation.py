@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.metrics import ServingMetrics
 from pagedinfer.engine.outputs import RequestOutput
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.server.engine_handle import EngineHandle
 
 _ROLES = ("system", "user", "assistant", "tool")

@@ -22,8 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedinfer.engine.config import ServerConfig
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.outputs import FinishReason, RequestOutput
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.server.auth import ApiKeyAuth, bearer_token
 from pagedinfer.engine.server.errors import ErrorKind, classify
 from pagedinfer.engine.server.generation import (
@@ -82,7 +83,9 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logit_bias=dict(msg.logit_bias),
-        structured_output=structured_from_pb(msg.structured_output) if msg.HasField("structured_output") else None,
+        structured_output=structured_from_pb(msg.structured_output)
+        if msg.HasField("structured_output")
+        else None,
         **kwargs,
     )
 

@@ -19,8 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedinfer.engine.config import ServerConfig
-from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.engine_handle import NotServingError
 from pagedinfer.engine.server.errors import ClassifiedError, ErrorKind, classify

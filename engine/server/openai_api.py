@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.outputs import RequestOutput, RequestTiming, Usage
-from pagedinfer.engine.sampling_params import InvalidRequestError
 from pagedinfer.engine.server.completions import CollectedChoice, PromptEcho, completion_choices
 from pagedinfer.engine.server.errors import ErrorKind, classify
 from pagedinfer.engine.server.generation import GenerationService, GenerationStream, PromptInput

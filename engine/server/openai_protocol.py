@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.errors import InvalidRequestError
+from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.server.generation import ChatMessage, GenerationRequest, PromptInput
 from pagedinfer.engine.server.structured_fields import StructuredOutputFields
 from pagedinfer.engine.server.tool_calls import ToolMessageFields, ToolRequestFields

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel
 
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedinfer.server")
 

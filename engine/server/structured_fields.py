@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.structured.spec import GrammarKind, StructuredOutput
 
 _EXTRAS = ConfigDict(extra="allow", populate_by_name=True)  # extras: request_fields.check_fields

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.server.generation import GenerationService, PromptInput
 from pagedinfer.engine.server.openai_protocol import _EXTRAS, ChatMessageIn
 from pagedinfer.engine.server.request_fields import check_fields

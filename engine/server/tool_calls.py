@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.server.generation import ChatMessage, GenerationRequest
 from pagedinfer.engine.server.tool_parsers import ParsedCall, ToolParser
 from pagedinfer.engine.structured.spec import StructuredOutput

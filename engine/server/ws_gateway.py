@@ -30,7 +30,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from pagedinfer.engine.config import ServerConfig
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.errors import ClassifiedError, ErrorKind, classify
 from pagedinfer.engine.server.generation import (

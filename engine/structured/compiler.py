@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.structured.spec import GrammarKind, StructuredOutput
 
 DEFAULT_CACHE_SIZE = 256

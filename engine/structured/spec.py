@@ -8,7 +8,7 @@ import enum
 import json
 from dataclasses import dataclass, field
 
-from pagedinfer.engine.sampling_params import InvalidRequestError
+from pagedinfer.engine.errors import InvalidRequestError
 
 MAX_GRAMMAR_CHARS = 100_000
 

@@ -16,11 +16,11 @@ import pytest
 from pagedinfer.engine.async_engine import AsyncEngine
 from pagedinfer.engine.config import ServerConfig
 from pagedinfer.engine.core_process import CoreInfo, _Add, _serve
-from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.metrics import ServingMetrics
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput
 from pagedinfer.engine.remote_core import CoreStepError, RemoteBuilt, RemoteCore, build_remote_engine
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.engine_handle import EngineHandle, NotServingError, ServerState
 from pagedinfer.engine.server.generation import GenerationService

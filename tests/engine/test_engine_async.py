@@ -9,8 +9,9 @@ import pytest
 
 from pagedinfer.engine.async_engine import AsyncEngine, EngineOverloadedError
 from pagedinfer.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.outputs import FinishReason
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pagedinfer.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.outputs import FinishReason
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

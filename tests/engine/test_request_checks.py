@@ -1,7 +1,8 @@
 import pytest
 
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.request_checks import RequestLimits, check_request
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 
 # 8 blocks of 4 slots: a prompt of 31 tokens (+1 output) fills the pool exactly.
 LIMITS = RequestLimits(max_model_len=64, vocab_size=100, block_size=4, num_blocks=8, max_num_seqs=3)

@@ -14,10 +14,11 @@ import pytest
 from pagedinfer.engine.async_engine import AsyncEngine
 from pagedinfer.engine.config import ServerConfig
 from pagedinfer.engine.core_process import CoreInfo
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.metrics import ServingMetrics
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
 from pagedinfer.engine.remote_core import RemoteBuilt, RemoteCore
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.server.auth import ApiKeyAuth
 from pagedinfer.engine.server.generation import GenerationRequest, GenerationService, PromptInput
 from pagedinfer.engine.server.http_server import build_app

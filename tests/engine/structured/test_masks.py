@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from pagedinfer.engine.core.scheduler_output import SamplingRow
+from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.models.builtin import builtin_path
 from pagedinfer.engine.models.gguf_loader import GGUFCheckpoint
-from pagedinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.structured.compiler import GrammarCompiler
 from pagedinfer.engine.structured.masks import GrammarMasker, apply_token_bitmask
 from pagedinfer.engine.structured.spec import GrammarKind, StructuredOutput
