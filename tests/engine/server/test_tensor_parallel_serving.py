@@ -94,3 +94,26 @@ def test_tp2_server_matches_tp1_then_dies_cleanly_with_its_worker(server_proc_cl
         assert "exited with code -9" in server.log()
     finally:
         server.stop()
+
+
+def test_tp2_with_the_engine_in_its_own_process(server_proc_cls, tiny_model, reference):
+    """The GPU default (--engine-process): rank 0 is the daemonic engine-core process, which
+    starts its worker as a plain subprocess (multiprocessing forbids it children)."""
+    args = ("--tensor-parallel-size", "2", "--engine-process")
+    server = server_proc_cls(extra_args=args, model=tiny_model).start()
+    try:
+        server.wait_ready()
+        assert len(_worker_pids(server.proc.pid)) == 1
+        client = openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        out = client.completions.create(
+            model=name,
+            prompt=PROMPTS[0],
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.choices[0].text == reference[PROMPTS[0]]
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()[-3000:]
