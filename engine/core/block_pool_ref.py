@@ -20,74 +20,32 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from pagedinfer.engine.core.block_pool_ref_check import check_invariants, compute_stats
+from pagedinfer.engine.core.block_pool_ref_types import (
+    INT32_RANGE,
+    ROOT_HASH,
+    BatchArrays,
+    DuplicateSequenceError,
+    InvariantError,
+    OutOfBlocksError,
+    Registration,
+    SequenceBlocks,
+    UnknownSequenceError,
+    chain_hash,
+    int_list,
+)
 
-ROOT_HASH = 0x243F6A8885A308D3
-_INT32 = (-(2**31), 2**31 - 1)
-
-
-class OutOfBlocksError(RuntimeError):
-    """Not enough free + evictable blocks; the manager's state is unchanged."""
-
-
-class UnknownSequenceError(KeyError, ValueError):
-    """A sequence id that is not registered (also a double free)."""
-
-
-class DuplicateSequenceError(ValueError):
-    """add_sequence / fork with an id that already exists."""
-
-
-class InvariantError(AssertionError):
-    """check_invariants() found an inconsistent internal state."""
-
-
-@dataclass(frozen=True)
-class BatchArrays:
-    """Inputs of one engine step, all int32."""
-
-    block_tables: np.ndarray  # [batch, max_blocks], padding 0
-    slot_mapping: np.ndarray  # [num_new_tokens]
-    positions: np.ndarray  # [num_new_tokens]
-    context_lens: np.ndarray  # [batch]
-    query_start_loc: np.ndarray  # [batch + 1]
-
-
-@dataclass
-class _Sequence:
-    tokens: list[int]
-    blocks: list[int] = field(default_factory=list)  # logical block -> physical block
-    num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
-
-
-@dataclass(frozen=True)
-class _Registration:
-    hash: int
-    parent: int  # -1: the root
-    parent_generation: int
-    generation: int
-
-
-def chain_hash(parent_hash: int, tokens: Sequence[int]) -> int:
-    return hash((parent_hash, tuple(tokens)))
-
-
-def _int_list(values: Sequence[int] | np.ndarray, name: str) -> list[int]:
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1:
-            raise ValueError(f"{name} must be 1-D")
-        if values.size and values.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers")
-        out = values.tolist()
-    else:
-        out = [operator.index(v) for v in values]
-    if out and (min(out) < _INT32[0] or max(out) > _INT32[1]):
-        raise ValueError(f"{name} value out of int32 range")
-    return out
+__all__ = [  # the errors and BatchArrays belong to this module's API, as in pagedinfer._native
+    "BatchArrays",
+    "BlockManager",
+    "DuplicateSequenceError",
+    "InvariantError",
+    "OutOfBlocksError",
+    "UnknownSequenceError",
+]
 
 
 class BlockManager:
@@ -96,7 +54,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
-        if num_blocks * block_size > _INT32[1]:
+        if num_blocks * block_size > INT32_RANGE[1]:
             raise ValueError("num_blocks * block_size must fit in int32 (slot ids)")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
@@ -105,10 +63,10 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable, least recent first
         self._block_tokens = [[0] * block_size for _ in range(num_blocks)]
-        self._registrations: dict[int, _Registration] = {}  # block -> its cache registration
+        self._registrations: dict[int, Registration] = {}  # block -> its cache registration
         self._index: dict[int, int] = {}  # hash -> block
         self._next_generation = 1
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceBlocks] = {}
         self._counters = dict(prefix_cache_hits=0, prefix_cache_queries=0, cow_copies=0, evictions=0)
 
     # ---- blocks ------------------------------------------------------------------------------
@@ -147,7 +105,7 @@ class BlockManager:
 
     def _register(self, block: int, block_hash: int, parent: int) -> None:
         parent_generation = self._registrations[parent].generation if parent >= 0 else 0
-        self._registrations[block] = _Registration(
+        self._registrations[block] = Registration(
             block_hash, parent, parent_generation, self._next_generation
         )
         self._next_generation += 1
@@ -167,7 +125,7 @@ class BlockManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _write(self, seq: _Sequence, start: int, tokens: list[int]) -> None:
+    def _write(self, seq: SequenceBlocks, start: int, tokens: list[int]) -> None:
         """Writes tokens at positions start.. of seq, allocating blocks at block boundaries."""
         bs = self.block_size
         for pos, token in enumerate(tokens, start):
@@ -176,7 +134,7 @@ class BlockManager:
             self._block_tokens[seq.blocks[-1]][pos % bs] = token
 
     # ---- sequences ---------------------------------------------------------------------------
-    def _get(self, seq_id: int) -> _Sequence:
+    def _get(self, seq_id: int) -> SequenceBlocks:
         try:
             return self._seqs[seq_id]
         except KeyError:
@@ -202,11 +160,11 @@ class BlockManager:
     def add_sequence(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> int:
         if seq_id in self._seqs:
             raise DuplicateSequenceError(f"sequence {seq_id} already exists")
-        tokens = _int_list(token_ids, "token_ids")
+        tokens = int_list(token_ids, "token_ids")
         matched = self._match_prefix(tokens)
         reused_evictable = sum(1 for b in matched if self._refcount[b] == 0)
         self._require(self._blocks_for(len(tokens)) - len(matched) + reused_evictable, "add_sequence")
-        seq = self._seqs[seq_id] = _Sequence(tokens, list(matched), len(matched))
+        seq = self._seqs[seq_id] = SequenceBlocks(tokens, list(matched), len(matched))
         for block in matched:
             self._incref(block)
         num_reused = len(matched) * self.block_size
@@ -216,7 +174,7 @@ class BlockManager:
             self._counters["prefix_cache_hits"] += num_reused
         return num_reused
 
-    def _append_need(self, seq: _Sequence, num_tokens: int) -> int:
+    def _append_need(self, seq: SequenceBlocks, num_tokens: int) -> int:
         length = len(seq.tokens)
         new_blocks = self._blocks_for(length + num_tokens) - self._blocks_for(length)
         cow = num_tokens > 0 and length % self.block_size != 0 and self._refcount[seq.blocks[-1]] > 1
@@ -227,7 +185,7 @@ class BlockManager:
             raise ValueError("num_tokens must be >= 0")
         return self._append_need(self._get(seq_id), num_tokens)
 
-    def _batch_append_need(self, seqs: list[_Sequence], counts: list[int]) -> int:
+    def _batch_append_need(self, seqs: list[SequenceBlocks], counts: list[int]) -> int:
         # Of k writers into a shared last block with refcount r, the first min(k, r - 1) copy.
         writers: dict[int, int] = {}
         needed = 0
@@ -247,10 +205,10 @@ class BlockManager:
 
     def _batch_args(
         self, seq_ids: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[_Sequence], list[int]]:
+    ) -> tuple[list[SequenceBlocks], list[int]]:
         """The sequences and counts of a batch append, checked as the native core checks them."""
-        ids = _int_list(seq_ids, "seq_ids")
-        counts = _int_list(num_tokens, "num_tokens")
+        ids = int_list(seq_ids, "seq_ids")
+        counts = int_list(num_tokens, "num_tokens")
         if len(ids) != len(counts):
             raise ValueError("seq_ids and num_tokens differ in length")
         seqs = self._distinct_sequences(ids)
@@ -258,10 +216,10 @@ class BlockManager:
             raise ValueError("num_tokens must be >= 0")
         return seqs, counts
 
-    def _distinct_sequences(self, ids: list[int]) -> list[_Sequence]:
+    def _distinct_sequences(self, ids: list[int]) -> list[SequenceBlocks]:
         """A batch's sequences in order, as the native core finds them: the first repeated or
         unknown id, whichever comes first, raises."""
-        seqs: list[_Sequence] = []
+        seqs: list[SequenceBlocks] = []
         seen: set[int] = set()
         for seq_id in ids:
             if seq_id in seen:
@@ -272,13 +230,13 @@ class BlockManager:
 
     def append_tokens(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
         seq = self._get(seq_id)
-        tokens = _int_list(token_ids, "token_ids")
+        tokens = int_list(token_ids, "token_ids")
         if not tokens:
             return []
         self._require(self._append_need(seq, len(tokens)), "append_tokens")
         return self._append(seq, tokens)
 
-    def _append(self, seq: _Sequence, tokens: list[int]) -> list[tuple[int, int]]:
+    def _append(self, seq: SequenceBlocks, tokens: list[int]) -> list[tuple[int, int]]:
         copies: list[tuple[int, int]] = []
         if len(seq.tokens) % self.block_size != 0:
             last = seq.blocks[-1]
@@ -303,7 +261,7 @@ class BlockManager:
     ) -> list[tuple[int, int]]:
         """append_tokens for many sequences in one call (all or nothing); returns all copies."""
         seqs, counts = self._batch_args(seq_ids, num_tokens)
-        tokens = _int_list(token_ids, "token_ids")
+        tokens = int_list(token_ids, "token_ids")
         if sum(counts) != len(tokens):
             raise ValueError("token_ids length differs from the sum of num_tokens")
         needed = self._batch_append_need(seqs, counts)
@@ -322,8 +280,8 @@ class BlockManager:
         """Replace each sequence's last token (a placeholder appended before its id was known).
 
         Its block must be exclusively owned and not yet prefix-cached; all or nothing."""
-        ids = _int_list(seq_ids, "seq_ids")
-        tokens = _int_list(token_ids, "token_ids")
+        ids = int_list(seq_ids, "seq_ids")
+        tokens = int_list(token_ids, "token_ids")
         if len(ids) != len(tokens):
             raise ValueError("seq_ids and token_ids differ in length")
         seqs = self._distinct_sequences(ids)
@@ -351,7 +309,7 @@ class BlockManager:
         moves a block. Every touched block must be exclusively owned and not yet prefix-cached."""
         seq = self._get(seq_id)
         start = operator.index(start)
-        tokens = _int_list(token_ids, "token_ids")
+        tokens = int_list(token_ids, "token_ids")
         if not tokens:
             return
         end = start + len(tokens)
@@ -380,7 +338,9 @@ class BlockManager:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise DuplicateSequenceError(f"sequence {child_id} already exists")
-        self._seqs[child_id] = _Sequence(list(parent.tokens), list(parent.blocks), parent.num_hashed_blocks)
+        self._seqs[child_id] = SequenceBlocks(
+            list(parent.tokens), list(parent.blocks), parent.num_hashed_blocks
+        )
         for block in parent.blocks:
             self._incref(block)
 
@@ -406,8 +366,8 @@ class BlockManager:
     def mark_computed(
         self, seq_ids: Sequence[int] | np.ndarray, num_computed_tokens: Sequence[int] | np.ndarray
     ) -> None:
-        ids = _int_list(seq_ids, "seq_ids")
-        nums = _int_list(num_computed_tokens, "num_computed_tokens")
+        ids = int_list(seq_ids, "seq_ids")
+        nums = int_list(num_computed_tokens, "num_computed_tokens")
         if len(ids) != len(nums):
             raise ValueError("seq_ids and counts differ in length")
         seqs = [self._get(i) for i in ids]
@@ -418,7 +378,7 @@ class BlockManager:
             for seq, num in zip(seqs, nums, strict=True):
                 self._cache_full_blocks(seq, num)
 
-    def _cache_full_blocks(self, seq: _Sequence, num_computed: int) -> None:
+    def _cache_full_blocks(self, seq: SequenceBlocks, num_computed: int) -> None:
         bs = self.block_size
         for i in range(seq.num_hashed_blocks, num_computed // bs):
             block = seq.blocks[i]
@@ -452,9 +412,9 @@ class BlockManager:
         num_new_tokens: Sequence[int] | np.ndarray,
         max_blocks: int | None = None,
     ) -> BatchArrays:
-        ids = _int_list(seq_ids, "seq_ids")
-        computed = _int_list(num_computed_tokens, "num_computed_tokens")
-        new = _int_list(num_new_tokens, "num_new_tokens")
+        ids = int_list(seq_ids, "seq_ids")
+        computed = int_list(num_computed_tokens, "num_computed_tokens")
+        new = int_list(num_new_tokens, "num_new_tokens")
         if not len(ids) == len(computed) == len(new):
             raise ValueError("seq_ids, num_computed_tokens and num_new_tokens differ in length")
         seqs = [self._get(i) for i in ids]

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from pagedinfer.engine.core.block_pool_ref import BlockManager
+from pagedinfer.engine.core.block_pool_ref_types import (
+    ROOT_HASH,
+    InvariantError,
+    Registration,
+    SequenceBlocks,
+    chain_hash,
+)
+
+
+class BlockManager(Protocol):
+    """The state of block_pool_ref.BlockManager these checks read (it calls them on itself)."""
+
+    block_size: int
+    num_total_blocks: int
+    enable_prefix_caching: bool
+    _refcount: list[int]
+    _free: list[int]
+    _lru: OrderedDict[int, None]
+    _block_tokens: list[list[int]]
+    _registrations: dict[int, Registration]
+    _index: dict[int, int]
+    _seqs: dict[int, SequenceBlocks]
+    _counters: dict[str, int]
+
+    def _is_child_of(self, block: int, parent: int) -> bool: ...
 
 
 def _require(ok: bool, what: str) -> None:
     if not ok:
-        from pagedinfer.engine.core.block_pool_ref import InvariantError
-
         raise InvariantError(what)
 
 
@@ -22,8 +44,6 @@ def check_invariants(bm: BlockManager) -> None:
 
 
 def _check_blocks(bm: BlockManager) -> None:
-    from pagedinfer.engine.core.block_pool_ref import ROOT_HASH, chain_hash
-
     state = [""] * bm.num_total_blocks
     for block in bm._free:
         _require(0 <= block < len(state) and not state[block], f"free list: bad or repeated {block}")
