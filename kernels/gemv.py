@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedinfer.kernels.linear_ops import SMALL_MODEL_MAX_K  # (no Triton there)
+from pagedinfer.kernels.linear_shapes import SMALL_MODEL_MAX_K
 
 
 @dataclass(frozen=True)

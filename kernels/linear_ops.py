@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from pagedinfer.kernels import fused_ops
+from pagedinfer.kernels.linear_shapes import NORM_EPILOGUE_MAX_ROWS, SMALL_MODEL_MAX_K, Prenormed
 from pagedinfer.kernels.ops import build_errors, select_backend
 
 logger = logging.getLogger(__name__)
@@ -36,25 +37,11 @@ NORM_GEMV_ENABLED = os.environ.get("PAGEDINFER_NORM_GEMV", "1") != "0"
 NORM_EPILOGUE_ENABLED = os.environ.get("PAGEDINFER_NORM_EPILOGUE", "1") != "0"
 # fp16 would overflow on h * g before the norm scales it (kernels/norm_epilogue.py).
 NORM_EPILOGUE_DTYPES = (torch.bfloat16,)
-NORM_EPILOGUE_MAX_ROWS = 64  # norm_epilogue.MAX_ROWS
 # Past 16 rows only where the block's output width (the next GEMV's K) is a small model's
 # (hidden size <= SMALL_MODEL_MAX_K): gemv.config_for gives every such K a dot config at 2-64
 # rows, so the next norm_linear finishes the norm in its kernel (at 17-64 rows larger models'
 # qkv and gate_up may run torch's GEMM, which cannot).
 NORM_EPILOGUE_WIDE_MAX_ROWS = 16
-SMALL_MODEL_MAX_K = 2048  # gemv.config_for's small-model rules apply up to this K
-
-
-@dataclass
-class Prenormed:
-    """A block output whose next RMSNorm is half done (kernels/norm_epilogue.py): h [M, K] the
-    residual stream, u = h * g [M, K] (g that norm's weight), partial sums of h^2 [programs, R]
-    (R: M rounded up to 16, 32 or 64). Only rows [:M] are meaningful: with row blocks
-    (gemv.row_block) the rows past the last block's are never written."""
-
-    h: torch.Tensor
-    u: torch.Tensor
-    partials: torch.Tensor
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> bool:

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from pagedinfer.kernels.gemv import GemvConfig, dot_grid, dot_rows, padded_rows, program_tile
-from pagedinfer.kernels.linear_ops import NORM_EPILOGUE_MAX_ROWS as MAX_ROWS
-from pagedinfer.kernels.linear_ops import Prenormed  # what add_prenorm returns (no Triton there)
+from pagedinfer.kernels.linear_shapes import NORM_EPILOGUE_MAX_ROWS as MAX_ROWS
+from pagedinfer.kernels.linear_shapes import Prenormed  # what add_prenorm returns
 
 
 @triton.jit
