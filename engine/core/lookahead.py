@@ -42,11 +42,15 @@ PLACEHOLDER_TOKEN_ID = 0  # a valid id: never fed to the model (the device feed 
 
 def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutput | None:
     """Step N+1 for a launched step N (`prev`) whose tokens are not applied yet, or None."""
-    if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
+    if not prev.sequences or prev.preempted_seq_ids or scheduler.pending_copies:
         return None
-    if not scheduler.running or len(prev.sequences) < len(scheduler.running) or _may_preempt(scheduler):
+    if (
+        not scheduler.running
+        or len(prev.sequences) < len(scheduler.running)
+        or scheduler.may_preempt_for_priority()
+    ):
         return None  # (nothing runs any more: N's sequences all stopped)
-    by_seq_id = scheduler._by_seq_id
+    by_seq_id = scheduler.by_seq_id
     running = RequestStatus.RUNNING
     max_len = scheduler.max_model_len
     planned: list[ScheduledSequence] = []
@@ -115,7 +119,7 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
 
 def resolve_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
     """After step N's update: the placeholders of step N+1 become the tokens N sampled."""
-    by_seq_id = scheduler._by_seq_id
+    by_seq_id = scheduler.by_seq_id
     running = RequestStatus.RUNNING
     seq_ids: list[int] = []
     token_ids: list[int] = []
@@ -136,7 +140,7 @@ def drop_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
     give back its KV slots so the synchronous scheduler starts from N's state, and owe its
     copy-on-write copies again (re-copying a shared block's prefix is idempotent) in case they
     never ran."""
-    by_seq_id = scheduler._by_seq_id
+    by_seq_id = scheduler.by_seq_id
     running = RequestStatus.RUNNING
     kv = scheduler.kv
     copies: list[tuple[int, int]] = []
@@ -157,11 +161,4 @@ def drop_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:
         copies += kv.truncate(s.seq_id, keep)
         seq.num_kv_tokens = keep
         owned.update(kv.block_table(s.seq_id))
-    scheduler._pending_copies += [c for c in lookahead.block_copies if c[1] in owned] + copies
-
-
-def _may_preempt(scheduler: Scheduler) -> bool:
-    """The synchronous scheduler might preempt for priority: a waiting request of a higher base
-    priority than a running one (the exact test needs blocks and seats freed at N)."""
-    waiting = scheduler.waiting
-    return bool(waiting) and max(r.priority for r in waiting) > min(r.priority for r in scheduler.running)
+    scheduler.pending_copies += [c for c in lookahead.block_copies if c[1] in owned] + copies

@@ -14,23 +14,22 @@ from collections.abc import Callable
 
 from pagedinfer.engine.config import SchedulerConfig
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
+from pagedinfer.engine.core.scheduler_drafts import DraftReserves
 from pagedinfer.engine.core.scheduler_output import (
-    ModelRunnerOutput,
-    PromptLogprobs,
-    SampledTokens,
     SamplingRow,
     ScheduledSequence,
     SchedulerOutput,
-    SequenceUpdate,
 )
-from pagedinfer.engine.core.spec_lookahead import record_device_inputs
+from pagedinfer.engine.core.scheduler_update import StepUpdate
 from pagedinfer.engine.outputs import FinishReason
 from pagedinfer.engine.request import Request, RequestStatus
-from pagedinfer.engine.stop_checker import check_token_stop, may_stop
 
 
-class Scheduler:
-    """Decides, every step, which sequences compute which tokens; owns their KV blocks."""
+class Scheduler(DraftReserves, StepUpdate):
+    """Decides, every step, which sequences compute which tokens; owns their KV blocks.
+
+    schedule() is here; how drafts share the budget with prompt work is in DraftReserves
+    (scheduler_drafts.py), update() in StepUpdate (scheduler_update.py)."""
 
     def __init__(
         self,
@@ -46,10 +45,10 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._by_request_id: dict[str, list[Request]] = {}
-        self._by_seq_id: dict[int, Request] = {}
+        self.by_seq_id: dict[int, Request] = {}
         self._admit_counter = 0
         self._finished: list[Request] = []  # finished outside update(): errors, aborts
-        self._pending_copies: list[tuple[int, int]] = []  # COW copies owed to the next step
+        self.pending_copies: list[tuple[int, int]] = []  # COW copies owed to the next step
         self._running_sorted = True  # running is in (priority desc, admit order) order
         self.num_preemptions_total = 0
         self.num_preemptions_step = 0  # since the engine last took it (its step stats)
@@ -67,7 +66,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def get_sequence(self, seq_id: int) -> Request | None:
-        return self._by_seq_id.get(seq_id)
+        return self.by_seq_id.get(seq_id)
 
     def add_request(self, leader: Request, children: list[Request] = ()) -> None:
         """Queue a request's leader; `children` (n > 1) are forked from it after its prompt."""
@@ -77,7 +76,7 @@ class Scheduler:
         group = [leader, *children]
         self._by_request_id[leader.request_id] = group
         for seq in group:
-            self._by_seq_id[seq.seq_id] = seq
+            self.by_seq_id[seq.seq_id] = seq
         leader.status = RequestStatus.WAITING
         self.waiting.append(leader)
 
@@ -114,14 +113,15 @@ class Scheduler:
             # Children never forked share the leader's fate (they have no prompt KV of their own).
             finished += self.finish_sequence(child, reason, stop_reason, error)
         seq.pending_children = []
-        self._forget_if_done(seq.request_id)
+        self.forget_if_done(seq.request_id)
         return finished
 
-    def _forget_if_done(self, request_id: str) -> None:
+    def forget_if_done(self, request_id: str) -> None:
+        """Drop a request's sequences from the lookups once all of them finished."""
         group = self._by_request_id.get(request_id, [])
         if all(s.is_finished for s in group):
             for s in group:
-                self._by_seq_id.pop(s.seq_id, None)
+                self.by_seq_id.pop(s.seq_id, None)
             self._by_request_id.pop(request_id, None)
 
     def take_finished(self) -> list[Request]:
@@ -134,7 +134,7 @@ class Scheduler:
         """Build one step's batch under the token budget and the sequence cap."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        copies, self._pending_copies = self._pending_copies, []
+        copies, self.pending_copies = self.pending_copies, []
         preempted: list[int] = []
         self._preempt_for_priority(preempted)
         num_priority_preemptions = len(preempted)
@@ -173,101 +173,6 @@ class Scheduler:
         elif own > budget:
             return 0  # without chunking a prompt (or a decode's own token) is all or nothing
         return own + max(min(remaining - own, budget - reserved - own), 0)
-
-    def _draft_reserves(self, budget: int) -> dict[int, int] | None:
-        """Per running sequence (in order), the budget its drafts leave to the prompt work after
-        it, beyond the one token of each later sequence: the later prompts' chunks and the
-        admission of the next waiting request, as plain decoding would give them; with chunked
-        prefill at most `_prompt_share` of it, so that a long prompt does not switch speculation
-        off (drafts and the prompt then share what the decodes' own tokens leave). None when no
-        sequence has drafts this step (nothing to reserve; the queue is not ranked)."""
-        if not any(r.spec_token_ids for r in self.running):
-            return None
-        head = self._admission_head()
-        chunked = self.config.enable_chunked_prefill
-        share = self._prompt_share(budget)
-        own_tokens = self._own_tokens() if head is not None else 0  # (unused without a head)
-        work = self._admission_need(budget, head, own_tokens)
-        reserves: dict[int, int] = {}
-        for seq in reversed(self.running):
-            reserves[seq.seq_id] = min(work, share) if chunked else work
-            own = min(seq.num_tokens, self.max_model_len) - seq.num_computed_tokens
-            work += max(own - 1, 0)  # (its first token is reserved apart, as every sequence's)
-        if head is not None and self._drafts_block(head, budget, reserves, own_tokens):
-            return dict.fromkeys(reserves, budget)  # none this step
-        return reserves
-
-    def _prompt_share(self, budget: int, own: int | None = None) -> int:
-        """With chunked prefill, the most of the budget drafts leave to prompt work: half of what
-        one token for each running sequence (`own`, default: as many as run) leaves (1 at least)."""
-        return max((budget - (len(self.running) if own is None else own)) // 2, 1)
-
-    def _admission_head(self) -> Request | None:
-        """The waiting request admitted next, if it has a seat (None: no waiting request, or
-        none for it)."""
-        if not self.waiting or self._num_seats_taken() >= self.config.max_num_seqs:
-            return None
-        head = min(self.waiting, key=self._waiting_key(self.clock()))
-        if self._num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs:
-            return None
-        return head
-
-    def _own_tokens(self) -> int:
-        """The running sequences' own tokens this step (prompt chunks left, decodes' last
-        token): what plain decoding schedules before any admission."""
-        return sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running)
-
-    def _drafts_block(self, head: Request, budget: int, reserves: dict[int, int], own_tokens: int) -> bool:
-        """Whether the KV blocks of this step's drafts would keep `head` out where plain decoding
-        admits it: the running sequences' own tokens leave it the budget and room (as
-        `KVCacheManager.allocate` counts: the whole prompt, plus the watermark), their own
-        tokens plus the drafts the budget gives them (`reserves`) do not. Drafts are reserved
-        before admission; with a short pool they kept a request that plain decoding admits
-        waiting until a drafting sequence ended (a review, 2026-12-06). Blocks as the step's
-        append takes them: copy-on-write copies of shared last blocks included (a fork's first
-        tokens, drafts after reserved slots). `own_tokens`: `_own_tokens()`."""
-        left = budget - own_tokens
-        if (left < 1) if self.config.enable_chunked_prefill else (head.num_tokens > left):
-            return False  # plain decoding has no budget for it this step either
-        ids: list[int] = []
-        own: list[int] = []
-        with_drafts: list[int] = []
-        left = budget
-        num_running = len(self.running)
-        for i, r in enumerate(self.running):  # the budget as `_schedule_running` hands it out
-            later = num_running - i - 1
-            new = self._num_new_tokens(r, left, later, later + reserves[r.seq_id]) if left > 0 else 0
-            left -= new
-            ids.append(r.seq_id)
-            own.append(max(r.num_tokens - r.num_kv_tokens, 0))
-            with_drafts.append(max(r.num_computed_tokens + new - r.num_kv_tokens, own[-1]))
-        kv = self.kv
-        own_blocks = kv.blocks_needed_to_append_batch(ids, own)
-        drafts = kv.blocks_needed_to_append_batch(ids, with_drafts) - own_blocks
-        room = kv.num_free_blocks - own_blocks
-        return room - drafts < kv.blocks_to_admit(head.num_tokens) <= room
-
-    def _admission_need(self, budget: int, head: Request | None, own: int | None = None) -> int:
-        """The budget plain decoding would give `head`, the waiting request admitted next,
-        after the running sequences' own tokens (`own`, default: what they hold now): its whole
-        prompt without chunked prefill (0 if it does not fit), else as much of it as they leave
-        (1 at least). 0 without one. The budget held for a request the pool cannot take yet is
-        the drafts' loss."""
-        if head is None:
-            return 0
-        left = budget - (self._own_tokens() if own is None else own)
-        if not self.config.enable_chunked_prefill:
-            return head.num_tokens if head.num_tokens <= left else 0
-        return min(head.num_tokens, max(left, 1))
-
-    def admission_reserve(self, budget: int, own: int | None = None) -> int:
-        """What drafts of decodes leave to the next admission (`_draft_reserves` with no prompt
-        running): a chained speculative step (core/spec_lookahead.py) that would leave less
-        declines, and the synchronous step schedules as this scheduler does. `own`: the running
-        sequences' own tokens in that step (the chained step plans before its predecessor is
-        applied, whose inputs the sequences still hold: one token each, its bonus token)."""
-        need = self._admission_need(budget, self._admission_head(), own)
-        return min(need, self._prompt_share(budget, own)) if self.config.enable_chunked_prefill else need
 
     def _schedule_running(
         self,
@@ -443,20 +348,25 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.num_preemptions_step += 1
 
+    def may_preempt_for_priority(self) -> bool:
+        """A waiting request has a strictly higher base priority than a running one: only then
+        may a step preempt for priority (the exact test needs blocks and seats; the lookahead
+        planners, core/lookahead.py, decline such steps). Cheap: no ranking of the queue."""
+        waiting, running = self.waiting, self.running
+        return bool(waiting and running) and max(r.priority for r in waiting) > min(
+            r.priority for r in running
+        )
+
     def _preempt_for_priority(self, preempted: list[int]) -> None:
         """Make room for a waiting request of strictly higher (base) priority than running ones."""
-        if not self.waiting or not self.running:
-            return
-        # Only a strictly higher base priority preempts (see the victim check below): with a long
-        # queue, this check saves ranking it every step.
-        if max(r.priority for r in self.waiting) <= min(r.priority for r in self.running):
+        if not self.may_preempt_for_priority():  # (see the victim check below)
             return
         key = self._waiting_key(self.clock())
         head = min(self.waiting, key=key)
         needed = self.kv.blocks_to_admit(head.num_tokens)
         while self.running and (
             needed > self.kv.num_free_blocks
-            or self._num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs
+            or self.num_seats_taken() + 1 + len(head.pending_children) > self.config.max_num_seqs
         ):
             victim = min(self.running, key=lambda r: (r.priority, -r.admit_order))
             if victim.priority >= head.priority or key(victim, preempted=True) <= key(head):
@@ -477,13 +387,13 @@ class Scheduler:
         return key
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
-        if not self.waiting or budget <= 0 or self._num_seats_taken() >= self.config.max_num_seqs:
+        if not self.waiting or budget <= 0 or self.num_seats_taken() >= self.config.max_num_seqs:
             return  # every request needs a seat: no need to rank the queue
         self.waiting.sort(key=self._waiting_key(self.clock()))
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             seats = 1 + len(seq.pending_children)
-            if self._num_seats_taken() + seats > self.config.max_num_seqs:
+            if self.num_seats_taken() + seats > self.config.max_num_seqs:
                 return
             error = self._never_fits(seq)
             if error is not None:  # (a preempted sequence may have outgrown the pool or the budget)
@@ -536,7 +446,7 @@ class Scheduler:
             seq.num_cached_tokens = 0
         self.waiting.insert(0, seq)
 
-    def _num_seats_taken(self) -> int:
+    def num_seats_taken(self) -> int:
         # Running leaders still owe seats to the children they will fork.
         return len(self.running) + sum(len(r.pending_children) for r in self.running)
 
@@ -587,127 +497,3 @@ class Scheduler:
             seq.prompt_token_ids,
             seq.output_token_ids,
         )
-
-    # ---- update -------------------------------------------------------------------------------
-    def update(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput, kv_ahead: frozenset[int] = frozenset()
-    ) -> list[SequenceUpdate]:
-        """Apply a step's results: advance computed tokens, fork, append, stop, free.
-
-        `kv_ahead`: sequences whose next step is already launched with KV reserved past this
-        one's (a chained speculative step): rejected drafts leave their KV to that step's resolve.
-        """
-        if sched.num_device_steps > 1 or sched.model_drafts:
-            record_device_inputs(self, sched, result)
-        by_seq_id = self._by_seq_id
-        running = RequestStatus.RUNNING
-        live: list[Request] = []  # scheduled and still running (not aborted or stopped meanwhile)
-        num_spec: dict[int, int] = {}  # seq_id -> drafts verified this step, where any
-        for s in sched.sequences:
-            seq = by_seq_id.get(s.seq_id)
-            if seq is not None and seq.status is running:
-                seq.num_computed_tokens += len(s.token_ids)
-                if s.fork_rows and s.sample is not None:
-                    self._fork_children(seq)
-                live.append(seq)
-            if s.num_spec_tokens:
-                num_spec[s.seq_id] = s.num_spec_tokens
-        if result.prompt_logprobs:
-            self._add_prompt_logprobs(result.prompt_logprobs)
-        updates: list[SequenceUpdate] = []
-        for st in result.sampled:
-            u = self._apply_sampled(st, num_spec.get(st.seq_id, 0) if num_spec else 0, st.seq_id in kv_ahead)
-            if u is not None:
-                updates.append(u)
-        if live:
-            self.kv.mark_computed([r.seq_id for r in live], [r.num_computed_tokens for r in live])
-        for u in updates:
-            if not u.is_finished:
-                continue
-            seq = by_seq_id.get(u.seq_id)
-            if seq is not None and seq.status is running:
-                self.kv.free(seq.seq_id)
-                self.running.remove(seq)
-                seq.status = RequestStatus.FINISHED
-                seq.finish_time = self.clock()
-                self._forget_if_done(seq.request_id)
-        return updates
-
-    def _add_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> None:
-        """Append each chunk's prompt logprobs past those the sequence holds (a preempted
-        sequence recomputes its prompt: positions it has already are not added twice)."""
-        for chunk in chunks:
-            seq = self._by_seq_id.get(chunk.seq_id)
-            if seq is None or seq.prompt_logprobs is None:
-                continue
-            skip = len(seq.prompt_logprobs) - chunk.start  # entries already held
-            if skip >= 0:
-                seq.prompt_logprobs.extend(chunk.entries[skip:])
-
-    def _fork_children(self, leader: Request) -> None:
-        for child in leader.pending_children:
-            self.kv.fork(leader.seq_id, child.seq_id)
-            child.num_computed_tokens = leader.num_computed_tokens
-            child.num_kv_tokens = leader.num_kv_tokens
-            child.num_cached_tokens = leader.num_cached_tokens
-            child.first_scheduled_time = leader.first_scheduled_time
-            child.status = RequestStatus.RUNNING
-            child.admit_order = self._admit_counter
-            self._admit_counter += 1
-            self.running.append(child)
-            self._running_sorted = False
-        leader.pending_children = []
-
-    def _apply_sampled(
-        self, sampled: SampledTokens, num_spec: int, kv_ahead: bool = False
-    ) -> SequenceUpdate | None:
-        seq = self._by_seq_id.get(sampled.seq_id)
-        if seq is None or seq.status is not RequestStatus.RUNNING:
-            return None
-        num_rejected = num_spec - (len(sampled.token_ids) - 1)
-        if num_rejected > 0:
-            seq.num_computed_tokens -= num_rejected
-            if not kv_ahead:  # drafts after the first rejected one left stale KV behind: drop it
-                self._pending_copies += self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
-                seq.num_kv_tokens = seq.num_computed_tokens
-        if seq.spec_token_ids:
-            seq.spec_token_ids = []
-        token_ids = sampled.token_ids
-        if len(token_ids) == 1 and not may_stop(seq, token_ids[0], self.max_model_len):
-            seq.output_token_ids.append(token_ids[0])  # the common case: one token, no stop
-            new_ids = token_ids
-        elif not may_stop_tokens(seq, token_ids, self.max_model_len):
-            seq.output_token_ids.extend(token_ids)  # verified drafts + one, none of which stops
-            new_ids = token_ids
-        else:
-            new_ids = []
-            for token_id in token_ids:
-                seq.output_token_ids.append(token_id)
-                new_ids.append(token_id)
-                decision = check_token_stop(seq, self.max_model_len)
-                if decision is not None:
-                    seq.finish_reason, seq.stop_reason = decision.reason, decision.stop_reason
-                    break
-        prompt_logprobs = None
-        if seq.first_token_time is None:
-            seq.first_token_time = self.clock()
-            prompt_logprobs = seq.prompt_logprobs  # (None unless asked for: sent once, here)
-        logprobs = sampled.logprobs[: len(new_ids)] if sampled.logprobs is not None else None
-        update = SequenceUpdate(
-            seq.seq_id, seq.request_id, seq.index, new_ids, logprobs, seq.finish_reason is not None
-        )
-        if prompt_logprobs is not None:
-            update.prompt_logprobs = prompt_logprobs
-        return update
-
-
-def may_stop_tokens(seq: Request, token_ids: list[int], max_model_len: int) -> bool:
-    """`may_stop` for appending several tokens: False means none of them can stop the sequence
-    (each condition is checked at the largest output count, where it is likeliest)."""
-    num_output = len(seq.output_token_ids) + len(token_ids)
-    max_tokens = seq.sampling_params.max_tokens
-    return (
-        num_output >= max_model_len - len(seq.prompt_token_ids)
-        or (max_tokens is not None and num_output >= max_tokens)
-        or not seq.stop_token_set.isdisjoint(token_ids)
-    )

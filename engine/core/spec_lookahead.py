@@ -10,7 +10,7 @@ written on the device from the token histories (`DeviceNgramChain.feed`).
 
 Once N's tokens are applied (`Scheduler.update` leaves the KV of these sequences alone), N+1's
 first inputs are known and the KV reservation shrinks to N+1's own extent: `resolve_spec_lookahead`;
-N+1's update records the ids its later device steps consumed (`record_device_inputs`). N+1 is
+N+1's update records the ids its later device steps consumed (`StepUpdate._record_device_inputs`, core/scheduler_update.py). N+1 is
 then an ordinary record of what ran, and the next step is planned from it the same way.
 
 A chain continues N's batch: every running sequence was in N, samples there, and its sampling can
@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID, _may_preempt
+from pagedinfer.engine.core.lookahead import PLACEHOLDER_TOKEN_ID
 from pagedinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
     SamplingRow,
@@ -85,14 +85,14 @@ def plan_spec_lookahead(
     max_tokens, or where `tokens_to_stop(seq, row, horizon)` expects a stop token): a device step
     past every sequence's end still costs a whole step, and the host learns of the end only
     after the launch's last step (a launch planned behind one that ends the request runs whole)."""
-    if not prev.sequences or prev.preempted_seq_ids or scheduler._pending_copies:
+    if not prev.sequences or prev.preempted_seq_ids or scheduler.pending_copies:
         return None
     if not scheduler.running or len(prev.sequences) < len(scheduler.running):
         return None  # (nothing runs any more: N's sequences all stopped)
-    if _may_preempt(scheduler):
+    if scheduler.may_preempt_for_priority():
         return None
     admitting = _may_admit(scheduler, k)  # into the step, behind the chained rows (one device step)
-    by_seq_id = scheduler._by_seq_id
+    by_seq_id = scheduler.by_seq_id
     running = RequestStatus.RUNNING
     max_len = scheduler.max_model_len
     q = k + 1
@@ -235,8 +235,8 @@ def resolve_spec_lookahead(
 
     With several device steps only the first one's inputs are known now; the rest stay
     placeholders until N+1's own update records what its device steps consumed
-    (`record_device_inputs`)."""
-    by_seq_id = scheduler._by_seq_id
+    (`StepUpdate._record_device_inputs`, core/scheduler_update.py)."""
+    by_seq_id = scheduler.by_seq_id
     running = RequestStatus.RUNNING
     kv = scheduler.kv
     drafts = {st.seq_id: d for st, d in zip(result.sampled, result.next_drafts or (), strict=True)}
@@ -245,7 +245,7 @@ def resolve_spec_lookahead(
         seq = by_seq_id.get(s.seq_id)
         if seq is None or seq.status is not running:
             continue  # stopped or aborted at N: its N+1 result is dropped by update()
-        # (a draft model's drafts are known once N+1 emits: `record_device_inputs`)
+        # (a draft model's drafts are known once N+1 emits: `StepUpdate._record_device_inputs`)
         known = [bonus[s.seq_id]] if lookahead.model_drafts else [bonus[s.seq_id], *drafts[s.seq_id]]
         start = seq.num_computed_tokens  # after N's update: what N's inputs left computed
         s.token_ids[: len(known)] = known
@@ -254,23 +254,8 @@ def resolve_spec_lookahead(
         end = start + len(s.token_ids)
         kv.set_tokens(s.seq_id, start, known)
         if seq.num_kv_tokens > end:
-            scheduler._pending_copies += kv.truncate(s.seq_id, end)
+            scheduler.pending_copies += kv.truncate(s.seq_id, end)
         seq.num_kv_tokens = end
-
-
-def record_device_inputs(scheduler: Scheduler, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-    """Before a step of several device steps is applied: its KV positions that stay computed get
-    the ids its device steps consumed there (each step's inputs were its predecessor's bonus
-    token and drafts, of which the accepted ones were emitted), so prefix-cache hashes see them."""
-    by_seq_id = scheduler._by_seq_id
-    running = RequestStatus.RUNNING
-    emitted = {st.seq_id: st.token_ids for st in result.sampled}
-    for s in sched.sequences[: sched.num_fed]:  # (prompts it admitted ran their real inputs)
-        seq = by_seq_id.get(s.seq_id)
-        tokens = emitted.get(s.seq_id)
-        if seq is None or seq.status is not running or not tokens:
-            continue
-        scheduler.kv.set_tokens(s.seq_id, s.num_computed_tokens, [s.token_ids[0], *tokens[:-1]])
 
 
 def may_join(
@@ -282,7 +267,7 @@ def may_join(
     token like every chained row's (`may_ride`: history-free sampling where the chain samples,
     else plain greedy; no logprobs; speculating), and none forks."""
     for a in admitted:
-        seq = scheduler._by_seq_id[a.seq_id]
+        seq = scheduler.by_seq_id[a.seq_id]
         p = seq.sampling_params
         if seq.pending_children or not (may_ride(p) and p.logprobs is None and p.use_speculation):
             return False
@@ -292,7 +277,7 @@ def may_join(
 def _unadmit(scheduler: Scheduler, admitted: list[ScheduledSequence], undo_drafts) -> None:
     """Undo a planned chained step's admissions (back to the queue, in order) and its draft
     reservation: nothing of it was launched."""
-    by_seq_id = scheduler._by_seq_id
+    by_seq_id = scheduler.by_seq_id
     for a in reversed(admitted):
         scheduler.unadmit(by_seq_id[a.seq_id])
     if undo_drafts is not None:
@@ -313,7 +298,7 @@ def _may_admit(scheduler: Scheduler, k: int) -> bool:
     then tries to admit it, else ends); one that fits no free blocks cannot be admitted by either.
     Blocks the chain holds past what a synchronous step needs (its reservations for drafts not yet
     verified) count as free: ending the chain releases them."""
-    if not scheduler.waiting or scheduler._num_seats_taken() >= scheduler.config.max_num_seqs:
+    if not scheduler.waiting or scheduler.num_seats_taken() >= scheduler.config.max_num_seqs:
         return False
     kv = scheduler.kv
     blocks = kv.blocks_for_tokens

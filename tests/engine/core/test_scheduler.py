@@ -344,7 +344,7 @@ def test_no_block_leak_after_random_workload(backend):
     run_to_completion(s)
     assert s.num_preemptions_total > 0
     assert s.kv.num_free_blocks == s.kv.num_blocks
-    assert not s._by_seq_id and not s._by_request_id
+    assert not s.by_seq_id and not s._by_request_id
 
 
 def test_higher_priority_arrival_preempts_lower_priority_running(backend):

@@ -9,8 +9,9 @@ import pytest
 from pagedinfer.engine.config import SchedulerConfig
 from pagedinfer.engine.core.block_pool_ref import BlockManager
 from pagedinfer.engine.core.kv_cache_manager import KVCacheManager
-from pagedinfer.engine.core.scheduler import Scheduler, may_stop_tokens
+from pagedinfer.engine.core.scheduler import Scheduler
 from pagedinfer.engine.core.scheduler_output import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedinfer.engine.core.scheduler_update import may_stop_tokens
 from pagedinfer.engine.request import Request
 from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.stop_checker import check_token_stop

@@ -156,7 +156,7 @@ def trace_chained_requests(core) -> set[str]:
 
     def traced(sched, *args, **kwargs):
         if sched.feeds_drafts:
-            by_seq_id = core.scheduler._by_seq_id
+            by_seq_id = core.scheduler.by_seq_id
             in_chains.update(by_seq_id[s.seq_id].request_id for s in sched.sequences if s.seq_id in by_seq_id)
         return launch(sched, *args, **kwargs)
 
