@@ -6,7 +6,7 @@ the tokenizer for prompts and chat templates; the core process owns the model, t
 the detokenizer and runs its step loop on its own GIL, so encoding responses for many streams
 never delays a step. One duplex pipe (pickled messages) joins them:
 
-    server -> core   ("add", _Add) | ("abort", request_id) | ("stop",)
+    server -> core   ("add", AddRequest) | ("abort", request_id) | ("stop",)
     core -> server   ("phase", name) | ("ready", CoreInfo) | ("failed", message)
                      ("step", outputs, [StepStats], stats dict, number of adds received)
                      ("step_failed", message, aborted request ids)
@@ -79,7 +79,7 @@ class _TokenizerRecipe:
 
 
 @dataclass(frozen=True)
-class _Add:
+class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -88,7 +88,7 @@ class _Add:
 
 
 # ---- the core process -------------------------------------------------------------------------
-def _core_main(config: EngineConfig, conn) -> None:
+def core_main(config: EngineConfig, conn) -> None:
     """Entry point of the spawned process: build, then step whenever there is work."""
     from pagedinfer.engine.engine_builder import build_engine
 
@@ -101,11 +101,11 @@ def _core_main(config: EngineConfig, conn) -> None:
     core = built.core
     step_stats: list[StepStats] = []
     core.add_step_listener(step_stats.append)
-    conn.send(("ready", _core_info(built)))
+    conn.send(("ready", core_info(built)))
     _serve(core, conn, step_stats)
 
 
-def _core_info(built) -> CoreInfo:
+def core_info(built) -> CoreInfo:
     core = built.core
     kv = core.scheduler.kv
     return CoreInfo(
@@ -134,29 +134,29 @@ def _serve(core, conn, step_stats: list[StepStats]) -> None:
                 outputs += core.abort(msg[1])
             else:
                 num_adds += 1
-                outputs += _admit(core, msg[1], in_flight)
+                outputs += admit_request(core, msg[1], in_flight)
         failure = None
         if core.has_unfinished():
             try:
                 outputs += core.step()
             except Exception as exc:  # like AsyncEngine in process: end the in-flight requests, go on
                 logger.exception("engine step failed; aborting in-flight requests")
-                _discard_finished(outputs, in_flight)  # ended before the step (aborts): not failed
-                failure = ("step_failed", f"{type(exc).__name__}: {exc}", _abort_all(core, in_flight))
-        _discard_finished(outputs, in_flight)
+                discard_finished(outputs, in_flight)  # ended before the step (aborts): not failed
+                failure = ("step_failed", f"{type(exc).__name__}: {exc}", abort_all(core, in_flight))
+        discard_finished(outputs, in_flight)
         conn.send(("step", outputs, step_stats[:], core.stats(), num_adds))
         if failure is not None:
             conn.send(failure)
         outputs, step_stats[:] = [], []
 
 
-def _discard_finished(outputs: list[RequestOutput], in_flight: set[str]) -> None:
+def discard_finished(outputs: list[RequestOutput], in_flight: set[str]) -> None:
     for out in outputs:
         if out.finished:
             in_flight.discard(out.request_id)
 
 
-def _abort_all(core, in_flight: set[str]) -> list[str]:
+def abort_all(core, in_flight: set[str]) -> list[str]:
     """Abort every in-flight request after a failed step (their streams get the error instead)."""
     request_ids = sorted(in_flight)
     for request_id in request_ids:
@@ -165,7 +165,7 @@ def _abort_all(core, in_flight: set[str]) -> list[str]:
     return request_ids
 
 
-def _admit(core, add: _Add, in_flight: set[str]) -> list[RequestOutput]:
+def admit_request(core, add: AddRequest, in_flight: set[str]) -> list[RequestOutput]:
     """Add a request; a late rejection (the server validated with the same limits and counts
     unreported adds as waiting, so this should not happen) ends its stream with an error finish."""
     try:
@@ -173,10 +173,10 @@ def _admit(core, add: _Add, in_flight: set[str]) -> list[RequestOutput]:
         in_flight.add(add.request_id)
         return []
     except (InvalidRequestError, EngineOverloadedError) as exc:
-        return [_error_output(add, str(exc))]
+        return [error_output(add, str(exc))]
 
 
-def _error_output(add: _Add, message: str) -> RequestOutput:
+def error_output(add: AddRequest, message: str) -> RequestOutput:
     deltas = [
         CompletionDelta(i, finish_reason=FinishReason.ERROR, error=message) for i in range(add.params.n)
     ]

@@ -30,7 +30,7 @@ from typing import Any
 
 from pagedinfer.engine.config import EngineConfig
 from pagedinfer.engine.core.scheduler_output import StepStats
-from pagedinfer.engine.core_process import CoreInfo, _Add, _core_main
+from pagedinfer.engine.core_process import AddRequest, CoreInfo, core_main
 from pagedinfer.engine.errors import EngineDeadError
 from pagedinfer.engine.outputs import RequestOutput
 from pagedinfer.engine.request_checks import RequestLimits, check_request
@@ -115,7 +115,7 @@ class RemoteCore:
             raise EngineDeadError(self._gone)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         msg = ForkingPickler.dumps(
-            ("add", _Add(request_id, list(prompt_token_ids), params, priority, arrival))
+            ("add", AddRequest(request_id, list(prompt_token_ids), params, priority, arrival))
         )
         self._num_adds_sent += 1  # before the core can have it: num_waiting must never miss it
         self._outbox.put(msg)
@@ -288,7 +288,7 @@ def build_remote_engine(config: EngineConfig, on_phase: Callable[[str], None]) -
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
     conn, child_conn = ctx.Pipe(duplex=True)
     process = ctx.Process(
-        target=_core_main, args=(config, child_conn), name="pagedinfer-engine-core", daemon=True
+        target=core_main, args=(config, child_conn), name="pagedinfer-engine-core", daemon=True
     )
     process.start()
     child_conn.close()

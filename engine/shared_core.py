@@ -26,12 +26,12 @@ from typing import Any
 from pagedinfer.engine.config import EngineConfig
 from pagedinfer.engine.core.scheduler_output import StepStats
 from pagedinfer.engine.core_process import (
-    _abort_all,
-    _Add,
-    _admit,
-    _core_info,
-    _discard_finished,
-    _error_output,
+    AddRequest,
+    abort_all,
+    admit_request,
+    core_info,
+    discard_finished,
+    error_output,
 )
 from pagedinfer.engine.outputs import RequestOutput
 
@@ -66,7 +66,7 @@ def _shared_core_main(config: EngineConfig, conns: list) -> None:
         return
     step_stats: list[StepStats] = []
     built.core.add_step_listener(step_stats.append)
-    loop.broadcast(("ready", _core_info(built)))
+    loop.broadcast(("ready", core_info(built)))
     loop.serve(built.core, step_stats)
 
 
@@ -117,9 +117,9 @@ class _SharedCoreLoop:
                     outputs += core.step()
                 except Exception as exc:  # as core_process._serve: end the in-flight requests, go on
                     logger.exception("engine step failed; aborting in-flight requests")
-                    _discard_finished(outputs, self.in_flight)
-                    failure = (f"{type(exc).__name__}: {exc}", _abort_all(core, self.in_flight))
-            _discard_finished(outputs, self.in_flight)
+                    discard_finished(outputs, self.in_flight)
+                    failure = (f"{type(exc).__name__}: {exc}", abort_all(core, self.in_flight))
+            discard_finished(outputs, self.in_flight)
             self._send_step(outputs, step_stats[:], failure)
             outputs, step_stats[:] = [], []
 
@@ -151,13 +151,13 @@ class _SharedCoreLoop:
         if msg[0] == "abort":  # only the owner may abort: ids are unique per API server, not overall
             return self.core.abort(msg[1]) if self.owner.get(msg[1]) is conn else []
         self.num_adds[conn] += 1
-        add: _Add = msg[1]
+        add: AddRequest = msg[1]
         if add.request_id in self.owner:
             error = f"request id {add.request_id!r} is already in flight"
-            self.rejected.setdefault(conn, []).append(_error_output(add, error))
+            self.rejected.setdefault(conn, []).append(error_output(add, error))
             return []
         self.owner[add.request_id] = conn
-        return _admit(self.core, add, self.in_flight)
+        return admit_request(self.core, add, self.in_flight)
 
     def _drop(self, conn) -> None:
         """An API server said stop or went away: abort whatever it still owns."""

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedinfer.operator.builders.model_source import _HF_REPO
+from pagedinfer.operator.builders.model_source import HF_REPO
 
 MARKER = ".pagedinfer-complete"
 # Weights, tokenizer and config; never the repository's other checkpoints (e.g. original/*.pth).
@@ -45,7 +45,7 @@ def download(
             f"cannot download {uri!r}: only hf://ORG/NAME is fetched (mount pvc:// and paths)"
         )
     repo = uri.removeprefix("hf://")
-    if not _HF_REPO.match(repo):
+    if not HF_REPO.match(repo):
         raise DownloadError(f"malformed model URI {uri!r}: expected hf://ORG/NAME")
     if is_complete(dest, uri, revision):
         return False

@@ -28,22 +28,22 @@ DEFAULT_MAX_TOKENS = 16
 
 MAX_PROMPTS = 64  # /v1/completions: prompts in one request (a list of strings or of token lists)
 # Extras are kept, not dropped: request_fields.check_fields sorts them (see its docstring).
-_EXTRAS = ConfigDict(extra="allow")
+ALLOW_EXTRAS = ConfigDict(extra="allow")
 
 
 class StreamOptions(BaseModel):
-    model_config = _EXTRAS
+    model_config = ALLOW_EXTRAS
     include_usage: bool = False
 
 
 class ContentPart(BaseModel):
-    model_config = _EXTRAS
+    model_config = ALLOW_EXTRAS
     type: Literal["text"]
     text: str
 
 
 class ChatMessageIn(ToolMessageFields):
-    model_config = _EXTRAS
+    model_config = ALLOW_EXTRAS
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -67,11 +67,11 @@ class ChatMessageIn(ToolMessageFields):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(StructuredOutputFields):
+class SamplingFields(StructuredOutputFields):
     """Fields shared by /v1/completions and /v1/chat/completions (and the structured-output
     fields: response_format, structured_outputs, guided_*)."""
 
-    model_config = _EXTRAS
+    model_config = ALLOW_EXTRAS
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -140,7 +140,7 @@ class _SamplingFields(StructuredOutputFields):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     logprobs: int | None = None
@@ -210,7 +210,7 @@ class CompletionRequest(_SamplingFields):
         ]
 
 
-class ChatCompletionRequest(_SamplingFields, ToolRequestFields):
+class ChatCompletionRequest(SamplingFields, ToolRequestFields):
     messages: list[ChatMessageIn]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

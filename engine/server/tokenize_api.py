@@ -12,12 +12,12 @@ from pydantic import BaseModel
 
 from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.server.generation import GenerationService, PromptInput
-from pagedinfer.engine.server.openai_protocol import _EXTRAS, ChatMessageIn
+from pagedinfer.engine.server.openai_protocol import ALLOW_EXTRAS, ChatMessageIn
 from pagedinfer.engine.server.request_fields import check_fields
 
 
 class TokenizeRequest(BaseModel):
-    model_config = _EXTRAS
+    model_config = ALLOW_EXTRAS
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
@@ -34,7 +34,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = _EXTRAS
+    model_config = ALLOW_EXTRAS
     model: str | None = None
     tokens: list[int]
 

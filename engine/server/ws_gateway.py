@@ -40,7 +40,7 @@ from pagedinfer.engine.server.generation import (
     finish_reason_value,
 )
 from pagedinfer.engine.server.openai_api import timing_dict, usage_dict
-from pagedinfer.engine.server.openai_protocol import DEFAULT_MAX_TOKENS, ChatMessageIn, _SamplingFields
+from pagedinfer.engine.server.openai_protocol import DEFAULT_MAX_TOKENS, ChatMessageIn, SamplingFields
 from pagedinfer.engine.server.request_fields import check_fields
 from pagedinfer.engine.server.sse_render import chat_logprobs
 
@@ -49,7 +49,7 @@ MAX_GENERATIONS_PER_CONNECTION = 64
 WS_POLICY_VIOLATION = 1008
 
 
-class WsGenerate(_SamplingFields):
+class WsGenerate(SamplingFields):
     type: Literal["generate"]
     id: str = Field(min_length=1, max_length=128)
     prompt: str | None = None

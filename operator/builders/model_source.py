@@ -10,7 +10,7 @@ from pagedinfer.operator.errors import SpecError
 
 MODELS_DIR = "/models"  # the model-cache volume (PVC or emptyDir)
 MODELS_VOLUME = "models"
-_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 _BUILTIN = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 SCHEMES = ("builtin://", "hf://", "pvc://", "file://", "/")
@@ -47,7 +47,7 @@ def resolve(uri: str, revision: str | None = None) -> ModelSource:
         return ModelSource(serve_uri=uri)
     if uri.startswith("hf://"):
         repo = uri.removeprefix("hf://")
-        _require(_HF_REPO.match(repo), uri, "hf://ORG/NAME")
+        _require(HF_REPO.match(repo), uri, "hf://ORG/NAME")
         dest = f"{MODELS_DIR}/hf/{repo.replace('/', '--')}" + (f"@{revision}" if revision else "")
         return ModelSource(serve_uri=dest, download=Download(uri, dest, revision))
     if uri.startswith("pvc://"):

@@ -15,7 +15,7 @@ import pytest
 
 from pagedinfer.engine.async_engine import AsyncEngine
 from pagedinfer.engine.config import ServerConfig
-from pagedinfer.engine.core_process import CoreInfo, _Add, _serve
+from pagedinfer.engine.core_process import AddRequest, CoreInfo, _serve
 from pagedinfer.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.metrics import ServingMetrics
 from pagedinfer.engine.outputs import CompletionDelta, FinishReason, RequestOutput
@@ -432,8 +432,8 @@ def test_step_failure_names_only_requests_still_in_flight():
     assert process.exitcode == 0
 
 
-def _add(request_id: str) -> _Add:
-    return _Add(request_id, [1], SamplingParams(max_tokens=5), 0, 0.0)
+def _add(request_id: str) -> AddRequest:
+    return AddRequest(request_id, [1], SamplingParams(max_tokens=5), 0, 0.0)
 
 
 class _ScriptedProcess:

@@ -14,7 +14,7 @@ import pytest
 
 from pagedinfer.engine.config import EngineConfig, SchedulerConfig
 from pagedinfer.engine.core.scheduler_output import StepStats
-from pagedinfer.engine.core_process import CoreInfo, _Add
+from pagedinfer.engine.core_process import AddRequest, CoreInfo
 from pagedinfer.engine.outputs import FinishReason
 from pagedinfer.engine.remote_core import CoreStepError, RemoteCore
 from pagedinfer.engine.sampling_params import SamplingParams
@@ -190,7 +190,7 @@ def test_a_server_that_leaves_has_its_requests_aborted_and_the_others_go_on():
     raw, core_end = multiprocessing.Pipe(duplex=True)  # a third server that dies without a word
     shared.loop.live.append(core_end)
     shared.loop.num_adds[core_end] = 0
-    raw.send(("add", _Add("raw", [1], LONG, 0, 0.0)))
+    raw.send(("add", AddRequest("raw", [1], LONG, 0, 0.0)))
     _until(lambda: shared.core.num_adds == 3)
     a.step()
     a.close()  # says stop
