@@ -141,7 +141,7 @@ def launch_packed(*args, **kwargs) -> torch.Tensor:
 
 
 def launch_chain_feed(*args, **kwargs) -> None:
-    """A chained step's inputs from the previous step's packed output (ngram_propose; CUDA)."""
-    from pagedinfer.kernels import ngram_propose
+    """A chained step's inputs from the previous step's packed output (chain_feed.py; CUDA)."""
+    from pagedinfer.kernels import chain_feed
 
-    ngram_propose.launch_chain_feed(*args, **kwargs)
+    chain_feed.launch_chain_feed(*args, **kwargs)
