@@ -20,6 +20,7 @@ PKGS=(
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
   gguf==0.19.0 openai==3.57.0 jiter==0.19.0 distro sniffio==1.3.1 anyio==4.16.0
   opentelemetry-api==1.45.2 annotated-doc grpcio-tools==1.85.1 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 idna==3.20 certifi
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2  # structured outputs (engine/structured)
   pytest-xdist==3.8.0 execnet==2.1.2  # run_gpu.sh compiles the GPU kernel tests' kernels in parallel
 )
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -109,6 +109,8 @@ step bench_norm_gemv "$PY" bench/norm_gemv.py --out "$OUTDIR" --rep-ms 25
 step bench_norm_epilogue "$PY" bench/norm_epilogue.py --out "$OUTDIR" --rep-ms 25
 # one 8B decoder layer, pre-fusion vs fused elementwise chain (graph replay, batch 1 and 256)
 step bench_decode_layer "$PY" bench/decode_layer.py --out "$OUTDIR"
+# decode with a JSON schema (xgrammar masks in the sampler) vs unconstrained, batch 1 and 64 (~1 min)
+step bench_structured_output "$PY" -P bench/structured_output.py --devices cuda --out "$OUTDIR"
 # tensor parallelism (issue 48): one decode step of the 8B shape and of the 70B shape with 20
 # layers, tp 1 vs tp 2 over NCCL, against floors from bytes and the measured all-reduce (~2 min);
 # only where at least 2 GPUs are visible
