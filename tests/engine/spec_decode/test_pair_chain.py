@@ -198,10 +198,10 @@ def test_a_full_draft_cache_ends_the_chain_not_the_output(tiny_llama_dir, plain)
 
 @pytest.mark.parametrize(("start", "stop"), [(0, 5), (1, 3), (2, 4), (3, 5), (4, 4), (0, 0)])
 def test_span_of_prompt_and_output(start, stop):
-    from pagedinfer.engine.spec_decode.draft_model import _span
+    from pagedinfer.engine.spec_decode.draft_records import token_span
 
     prompt, output = [10, 11, 12], [13, 14]
-    assert _span(prompt, output, start, stop) == [*prompt, *output][start:stop]
+    assert token_span(prompt, output, start, stop) == [*prompt, *output][start:stop]
 
 
 def _check_draft_kv(proposer) -> int:
