@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,11 +63,18 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Cli:
 @pytest.fixture(scope="session")
 def images(cli: Cli) -> dict[str, str]:
     """ENGINE_IMAGE and OPERATOR_IMAGE, built (or found) and imported into the node."""
+    started = time.monotonic()
     proc = subprocess.run(
         [str(ROOT / "docker" / "build_local_images.sh")], capture_output=True, text=True, timeout=1800
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = dict(line.split("=", 1) for line in proc.stdout.split() if "=" in line)
+    built = [
+        line
+        for line in proc.stderr.splitlines()
+        if "not rebuilt" in line or " built in " in line or " made in " in line
+    ]
+    print(f"build_local_images.sh: {time.monotonic() - started:.0f} s ({'; '.join(built)})")
     listed = subprocess.run(
         [str(K8S / "images.sh"), "ls"], cwd=ROOT, capture_output=True, text=True, timeout=60
     ).stdout
