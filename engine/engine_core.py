@@ -307,6 +307,10 @@ class EngineCore:
         self._pending.snapshot.step_time_s = time.perf_counter() - start
         if not self.defers_outputs or not self.scheduler.has_unfinished():
             outputs += self._flush_pending()  # (an in-flight lookahead only has dropped rows)
+            if self.spec_decoder is not None and self._inflight is None:
+                # a stop string found just now finished its sequence after this step's drafting:
+                # its draft blocks go back now, not whenever a next step runs
+                self.spec_decoder.forget_gone(self.scheduler.running)
         return outputs
 
     def _launch_lookahead(self, sched: SchedulerOutput, pending) -> None:

@@ -147,7 +147,7 @@ class SpeculativeDecoder:
                 if seq.spec_token_ids and seq.seq_id in rows:
                     seq.spec_token_ids = []
             self.device_drafts = None
-        self._forget_gone(running)
+        self.forget_gone(running)
         if not self.policy.is_step_enabled(len(running)):
             self.stats.num_disabled_sequence_steps += sum(map(_is_decoding, running))
             return 0
@@ -208,7 +208,8 @@ class SpeculativeDecoder:
             limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
         return max(min(limit, self.max_model_len - seq.num_tokens - 1), 0)
 
-    def _forget_gone(self, running: Sequence[Request]) -> None:
+    def forget_gone(self, running: Sequence[Request]) -> None:
+        """Free the draft state of every known sequence that is no longer running."""
         if not self._known:
             return
         for seq_id in self._known.difference([seq.seq_id for seq in running]):
