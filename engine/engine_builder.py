@@ -25,7 +25,8 @@ from pagedinfer.engine.spec_decode.factory import (
 from pagedinfer.engine.structured.compiler import GrammarCompiler
 from pagedinfer.engine.structured.masks import GrammarMasker
 from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
-from pagedinfer.engine.worker.model_runner import ModelRunner, RunnerConfig
+from pagedinfer.engine.worker.model_runner import ModelRunner
+from pagedinfer.engine.worker.step_types import RunnerConfig
 from pagedinfer.kernels import ops
 
 logger = logging.getLogger(__name__)

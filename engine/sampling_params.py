@@ -68,7 +68,7 @@ class SamplingParams:
         no min_tokens (its bans depend on the position), and no logit_bias (kept off the device
         chains, which draw from raw logits). What a request must be to join a chained
         step; one with min_tokens still rides a chain that starts after its bans have lifted (the
-        runner checks the first step's metadata: model_runner._chain_may_decide)."""
+        runner checks the first step's metadata: chained_sampling.ChainedSampling._chain_may_decide)."""
         return (
             not self.has_penalties
             and self.min_tokens == 0

@@ -50,7 +50,7 @@ def residual_distribution(
     A row whose residual mass is zero (p == q up to rounding) can only be reached with
     probability zero; it falls back to p without the rejected draft (p itself if that is all of
     p), so the result is always a distribution and never gives back the draft it replaces (a
-    chained step's accept kernel relies on that: model_runner._chain_rejection).
+    chained step's accept kernel relies on that: chained_sampling.ChainedSampling._chain_rejection).
     """
     without_draft = target_probs.clone().scatter_(1, draft_token_ids.unsqueeze(1), 0.0)  # [B, V]
     if draft_probs is None:

@@ -31,7 +31,7 @@ from pagedinfer.engine.spec_decode.device_chain import DeviceNgramChain
 from pagedinfer.engine.spec_decode.policy import SpeculationPolicy, SpeculationStats
 from pagedinfer.engine.spec_decode.proposer import DeviceDrafts, DraftRequest, Proposer
 from pagedinfer.engine.spec_decode.verifier import SpecVerifier, stack_draft_probs
-from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
+from pagedinfer.engine.worker.step_types import HostTokenIds, VerifyGroup
 
 
 class SpeculativeDecoder:

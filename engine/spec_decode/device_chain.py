@@ -6,7 +6,7 @@ accepts, proposes and stages the next one while the device idles; for a small mo
 step is host- and launch-bound that idle time is most of a plain step (bench/NOTES.md,
 speculative n-gram). Here a step ends with one kernel (`accept_and_propose`) that accepts the
 drafts against each row's token (the argmax; a sampled row's draw; with a draft model's drafts,
-the rejection sampler's tokens laid over the rows: model_runner._chain_rejection), appends the emitted tokens to each sequence's device
+the rejection sampler's tokens laid over the rows: chained_sampling.ChainedSampling._chain_rejection), appends the emitted tokens to each sequence's device
 token history and drafts the next K tokens by prompt lookup with the host proposer's rule
 (spec_decode/ngram.py: longest suffix match, equally long ones ranked by context, then latest);
 the next step's inputs (bonus token + drafts, positions, slots, context lengths) are then fixed

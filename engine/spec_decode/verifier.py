@@ -39,7 +39,7 @@ from pagedinfer.engine.sample.rejection_sampler import (
     greedy_num_accepted,
 )
 from pagedinfer.engine.sample.sampler import Sampler, is_plain_greedy
-from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
+from pagedinfer.engine.worker.step_types import HostTokenIds, VerifyGroup
 from pagedinfer.kernels.argmax import argmax_rows
 
 # Up to this many groups an all-greedy step decides acceptance in Python lists: ~1 us a group

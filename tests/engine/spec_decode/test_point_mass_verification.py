@@ -18,7 +18,7 @@ from pagedinfer.engine.sample.metadata import SamplingMetadata
 from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.spec_decode import verifier as verifier_module
 from pagedinfer.engine.spec_decode.verifier import SpecVerifier
-from pagedinfer.engine.worker.model_runner import VerifyGroup
+from pagedinfer.engine.worker.step_types import VerifyGroup
 
 ALPHA = 1e-3
 NUM_GROUPS = 100_000

@@ -18,7 +18,7 @@ from pagedinfer.engine.sample.sampler import Sampler
 from pagedinfer.engine.sampling_params import SamplingParams
 from pagedinfer.engine.spec_decode import verifier as verifier_module
 from pagedinfer.engine.spec_decode.verifier import SpecVerifier, _GroupArrays, _rejection_inputs
-from pagedinfer.engine.worker.model_runner import HostTokenIds, VerifyGroup
+from pagedinfer.engine.worker.step_types import HostTokenIds, VerifyGroup
 
 VOCAB = 30
 

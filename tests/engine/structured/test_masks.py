@@ -18,7 +18,7 @@ from pagedinfer.engine.structured.compiler import GrammarCompiler
 from pagedinfer.engine.structured.masks import GrammarMasker, apply_token_bitmask
 from pagedinfer.engine.structured.spec import GrammarKind, StructuredOutput
 from pagedinfer.engine.tokenizer import Tokenizer
-from pagedinfer.engine.worker.model_runner import VerifyGroup
+from pagedinfer.engine.worker.step_types import VerifyGroup
 
 EOS = 2
 VOCAB = 49152
