@@ -28,7 +28,7 @@ model:
 replicas: 1
 resources:
   gpus: 0
-  cpu: "2"
+  cpu: "1"
   memory: 4Gi
 engine:
   maxNumSeqs: 16
