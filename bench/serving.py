@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402  (bench/ is not a package)
+import common  # noqa: E402  (bench/ is not a package)
 from serving_clients import ClientPool, RequestResult, Timer  # noqa: E402
 
 
@@ -436,7 +436,7 @@ def server_args(args) -> list[str]:
 
 
 def plot(results: list[LevelResult], path: Path, title: str) -> None:
-    drawn = plotting.subplots(path, 1, 2, figsize=(11, 4))
+    drawn = common.subplots(path, 1, 2, figsize=(11, 4))
     if drawn is None:
         return
     fig, (ax1, ax2) = drawn
@@ -457,7 +457,7 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    plotting.save(fig, path, dpi=110)
+    common.save(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

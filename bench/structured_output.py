@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.append(_BENCH_DIR)  # last, for the bench helpers only
-import plotting  # noqa: E402
+import common  # noqa: E402
 from throughput_lib import run_engine_requests  # noqa: E402
 
 from pagedinfer.engine.config import DeviceConfig, EngineConfig, SchedulerConfig  # noqa: E402
@@ -96,7 +96,7 @@ def measure(llm: LLM, batch: int, max_tokens: int, repeats: int) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    drawn = plotting.subplots(path, 1, 1, figsize=(7, 4))
+    drawn = common.subplots(path, 1, 1, figsize=(7, 4))
     if drawn is None:
         return
     fig, ax = drawn
@@ -117,7 +117,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("SmolLM2-135M greedy: structured output vs unconstrained")
     ax.set_yscale("log")
     ax.legend()
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)
 
 
 def main() -> None:

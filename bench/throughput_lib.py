@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import plotting  # bench/ is on sys.path (bench/throughput.py puts it there)
+import common  # bench/ is on sys.path (bench/throughput.py puts it there)
 import torch
 
 from pagedinfer.engine.sampling_params import SamplingParams
@@ -186,7 +186,7 @@ def decode_floor_ms(weight_bytes: int, kv_bytes: int, bandwidth_gbps: float) -> 
 
 def plot_results(result: dict, path) -> None:
     is_cpu = result["mode"] == "cpu"
-    drawn = plotting.subplots(path, 1, 1 if is_cpu else 2, figsize=(6, 4) if is_cpu else (11, 4))
+    drawn = common.subplots(path, 1, 1 if is_cpu else 2, figsize=(6, 4) if is_cpu else (11, 4))
     if drawn is None:
         return
     fig, axes = drawn
@@ -221,4 +221,4 @@ def plot_results(result: dict, path) -> None:
         a2.set_xticks(list(x), labels)
         a2.set_ylabel("ms per decode step")
         a2.legend()
-    plotting.save(fig, path, dpi=120)
+    common.save(fig, path, dpi=120)

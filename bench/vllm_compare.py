@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plotting  # noqa: E402  (bench/ is not a package)
+import common  # noqa: E402  (bench/ is not a package)
 
 # (key, label, unit, higher_is_better)
 METRICS = [
@@ -204,7 +204,7 @@ def compare(d: Path) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    drawn = plotting.subplots(path, 1, 2, figsize=(12, 4.5))
+    drawn = common.subplots(path, 1, 2, figsize=(12, 4.5))
     if drawn is None:
         return
     fig, (a1, a2) = drawn
@@ -234,7 +234,7 @@ def plot(result: dict, path: Path) -> None:
     if serving:
         a2.legend()
     a2.grid(alpha=0.3)
-    plotting.save(fig, path, dpi=110)
+    common.save(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

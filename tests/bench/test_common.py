@@ -58,11 +58,6 @@ def test_a_bench_plot_skips_without_matplotlib(bench_import, monkeypatch, tmp_pa
     assert not path.exists()
 
 
-def test_plotting_is_common_under_its_old_name(bench_import):
-    common, plotting = bench_import("common"), bench_import("plotting")
-    assert plotting.subplots is common.subplots and plotting.save is common.save
-
-
 def test_gpu_parser_takes_out_and_rep_ms(bench_import, tmp_path):
     args = bench_import("common").gpu_parser("doc", rep_ms=25).parse_args(["--out", str(tmp_path)])
     assert args.out == tmp_path and args.rep_ms == 25
