@@ -58,7 +58,12 @@ def build_engine(config: EngineConfig, on_phase: Callable[[str], None] = lambda 
         from pagedinfer.engine.parallel.driver import start_tensor_parallel
 
         tp = start_tensor_parallel(config, device, on_phase)
-        return assemble_engine(config, tp.model, tp.tokenizer, on_phase, parallel=tp)
+        try:
+            return assemble_engine(config, tp.model, tp.tokenizer, on_phase, parallel=tp)
+        except BaseException:  # (no room for the KV cache, a draft model that fails to load, ...)
+            tp.model.workers.close()  # the workers and the process group go with the failed build
+            tp.model.shard.group.close()
+            raise
     loaded = load_model(config.model, device, config.device.dtype, config.revision)
     return assemble_engine(config, loaded.model, loaded.tokenizer, on_phase)
 

@@ -73,6 +73,14 @@ def _freeze_startup_objects() -> None:
         atexit.register(gc.unfreeze)  # let shutdown collect them (extensions check for leaks)
 
 
+def defers_outputs(runner) -> bool:
+    """Whether a step's outputs wait for the next step's forward to be launched: only where that
+    forward runs asynchronously (CUDA); elsewhere (the CPU computes a forward as it is launched)
+    waiting would hand every token to its client one step late."""
+    device = getattr(getattr(runner, "config", None), "device", None)
+    return getattr(device, "type", None) == "cuda"
+
+
 class EngineCore:
     """Owns the scheduler, the model runner and the output processor."""
 
@@ -112,8 +120,7 @@ class EngineCore:
         # Emit a step's outputs during the next step's forward only where that forward runs
         # asynchronously (CUDA); on the CPU launch_forward computes it, and waiting for it would
         # hand every token to its client one step late (issue 46: TTFT one step behind).
-        device = getattr(getattr(runner, "config", None), "device", None)
-        self.defers_outputs = getattr(device, "type", None) == "cuda"
+        self.defers_outputs = defers_outputs(runner)
         self.last_step_phases = StepPhases()
         self._rng = random.Random(seed)
         self._next_seq_id = 0

@@ -9,6 +9,7 @@ the model's extras and is sorted here:
   (structured outputs and tool calling, issue 46 part B): 400 naming the field. Implementing one
   means declaring it on the models and taking it out of this list.
 - `UNSUPPORTED_FIELDS`: fields this server will not implement: 400 naming the field and why.
+- `CHAT_ONLY_FIELDS`: declared on the chat request; sent to another endpoint, a 400 saying so.
 - anything else is unknown: 400 naming the field, unless the server runs with
   `--allow-unknown-fields`, which accepts and logs it.
 
@@ -51,6 +52,11 @@ REFUSED_UNTIL_IMPLEMENTED = frozenset(
     }
 )
 
+# Declared on the chat request only (server/tool_calls.py): elsewhere (/v1/completions, the
+# WebSocket's generate) they would land in the extras, and --allow-unknown-fields must not make
+# them accepted-and-ignored there.
+CHAT_ONLY_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "suffix": "the served models have no fill-in-the-middle mode",
     "audio": "the served models produce text only",
@@ -82,6 +88,8 @@ def check_fields(model: BaseModel, allow_unknown: bool) -> None:
     for name, where in _extras(model, ""):
         if name in NO_EFFECT_FIELDS:
             continue
+        if name in CHAT_ONLY_FIELDS:
+            raise InvalidRequestError(f"{where}: tool calling is for /v1/chat/completions", param=where)
         if name in REFUSED_UNTIL_IMPLEMENTED:
             raise InvalidRequestError(f"{where}: this field is not supported yet", param=where)
         if name in UNSUPPORTED_FIELDS:

@@ -100,7 +100,10 @@ class ToolStreamRenderer:
                 state.is_started = True
             chunks.append({"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None})
         if reason is not None:
-            chunks.append({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+            final = {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+            if d.error is not None:  # (as the plain stream does: the engine's reason)
+                final["error"] = d.error
+            chunks.append(final)
             if not state.is_started:
                 chunks[-1]["delta"] = {"role": "assistant", "content": ""}
                 state.is_started = True

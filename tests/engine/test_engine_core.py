@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pagedinfer.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pagedinfer.engine.engine_core import defers_outputs
 from pagedinfer.engine.errors import InvalidRequestError
 from pagedinfer.engine.llm import LLM
 from pagedinfer.engine.outputs import FinishReason
@@ -187,3 +189,21 @@ def test_step_stats_count_every_token_once(tiny_llama_dir):
     assert sum(s.num_finished for s in steps) == len(outs)
     assert sum(s.num_scheduled_tokens for s in steps) == computed_prompt + 11 * len(outs)
     assert chunked.core.stats()["generation_tokens_total"] == 12 * len(outs)
+
+
+def test_cpu_hands_each_step_its_own_tokens(tiny_llama_dir):
+    """On the CPU the forward runs as it is launched: a step's tokens come out of that step's
+    step() (TTFT is not a step late), while a CUDA runner defers them to overlap the next forward."""
+    llm = make_llm(tiny_llama_dir)
+    core = llm.core
+    assert core.defers_outputs is False
+    core.add_request("r", prompts(1)[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    seen = []
+    for _ in range(3):  # prefill + first token, then one token a step
+        (out,) = core.step()
+        seen.append(sum(len(d.token_ids) for d in out.deltas))
+    assert seen == [1, 1, 1] and out.finished
+    assert not core.step()  # nothing left over for a later step
+    # a runner whose forward runs asynchronously (CUDA) gets them one step later instead
+    cuda = SimpleNamespace(config=SimpleNamespace(device=torch.device("cuda")))
+    assert defers_outputs(cuda) and not defers_outputs(core.runner)

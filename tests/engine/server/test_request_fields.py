@@ -164,6 +164,11 @@ def test_completions_refuse_suffix_and_accept_fields_without_effect(client, mode
         lambda: client.completions.create(model=model, prompt="hi", max_tokens=2, suffix="x")
     )
     assert error["param"] == "suffix" and "suffix" in error["message"]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    error = _bad_request(
+        lambda: client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"tools": tools})
+    )
+    assert error["param"] == "tools" and "/v1/chat/completions" in error["message"]
     out = client.completions.create(
         model=model,
         prompt="hi",
@@ -214,6 +219,9 @@ def test_allow_unknown_fields_accepts_and_logs_them(server_proc_cls, tiny_model)
         assert httpx.post(f"{proc.http}/v1/completions", json=body, timeout=60).status_code == 200
         refused = httpx.post(f"{proc.http}/v1/completions", json={**body, "suffix": "x"}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        refused = httpx.post(f"{proc.http}/v1/completions", json={**body, "tools": tools}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
     finally:
         assert proc.stop() == 0
     assert "accepted unknown request fields" in proc.log() and "some_vendor_knob" in proc.log()
