@@ -284,6 +284,8 @@ class AsyncEngine:
             is_aborted = self._abort_quietly(core, streams)
             if isinstance(exc, EngineDeadError):  # the core's process is gone: nothing will recover
                 self._die(str(exc))
+            elif getattr(core, "step_failure_is_fatal", False):  # tensor parallel: ranks out of step
+                self._die(f"{dead}; a tensor-parallel engine cannot go on after a failed step")
             elif not is_aborted:  # the core's state is unknown: stepping it on could do anything
                 self._die(f"{dead}; aborting its requests failed too")
             return

@@ -140,6 +140,8 @@ def _serve(core, conn, step_stats: list[StepStats]) -> None:
             try:
                 outputs += core.step()
             except Exception as exc:  # like AsyncEngine in process: end the in-flight requests, go on
+                if getattr(core, "step_failure_is_fatal", False):  # tensor parallel: ranks out of step
+                    raise  # this process ends; the server sees its core gone (503, exit)
                 logger.exception("engine step failed; aborting in-flight requests")
                 discard_finished(outputs, in_flight)  # ended before the step (aborts): not failed
                 failure = ("step_failed", f"{type(exc).__name__}: {exc}", abort_all(core, in_flight))

@@ -398,6 +398,13 @@ class EngineCore:
     def add_step_listener(self, callback: StepListener) -> None:
         self._listeners.append(callback)
 
+    @property
+    def step_failure_is_fatal(self) -> bool:
+        """Whether a failed step must end the engine instead of aborting its requests and going
+        on: a runner whose other processes run each step in lockstep (tensor parallel) may have
+        left them inside a collective this process never joins."""
+        return bool(getattr(self.runner, "runs_in_lockstep", False))
+
     def add_death_listener(self, callback: Callable[[str], None]) -> None:
         """`callback(reason)` once if the runner's other processes die (tensor-parallel workers,
         engine/parallel/workers.py); a runner of this process alone has none and never calls it."""

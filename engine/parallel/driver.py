@@ -91,6 +91,9 @@ class DriverRunner(ModelRunner):
             self.model.stage_block_copies(copies)
         return super().launch_forward(sched, feed)
 
+    # the workers run every call with rank 0: a step that fails midway cannot be resumed
+    runs_in_lockstep = True
+
     def add_death_listener(self, callback: Callable[[str], None]) -> None:
         self.model.workers.add_death_listener(callback)
 

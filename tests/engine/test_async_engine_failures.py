@@ -114,3 +114,22 @@ async def test_unexpected_error_on_the_engine_thread_kills_the_engine_visibly():
     await until(lambda: core.is_closed, 10)
     assert reasons == [engine.dead_error]
     await asyncio.wait_for(engine.shutdown(0.5), 10)
+
+
+async def test_a_failed_step_of_a_lockstep_core_ends_the_engine():
+    """A tensor-parallel core (its workers run each step with it) cannot go on after a failed
+    step even where aborting works: the engine dies instead of serving on with ranks out of step."""
+    core = _BrokenCore()
+    core.abort = lambda request_id: []  # aborting works here
+    core.step_failure_is_fatal = True
+    engine = _engine(core)
+    await engine.wait_ready()
+    reasons = []
+    engine.add_death_listener(reasons.append)
+    gen = engine.generate(prompt_token_ids=[1, 2], sampling_params=PARAMS)
+    await asyncio.wait_for(gen.__anext__(), 10)
+    core.fail.set()
+    with pytest.raises(EngineDeadError, match="step exploded"):
+        await asyncio.wait_for(_drain(gen), 10)
+    await until(lambda: reasons, 10)
+    assert "tensor-parallel engine cannot go on" in reasons[0]
