@@ -36,6 +36,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# A worker connects back once its modules are imported, before it loads its shard: seconds, but a
+# loaded host may take minutes.
+CONNECT_TIMEOUT_S = 300.0
+
+
 class WorkerStartError(RuntimeError):
     """A worker failed to join or to load its shard (the message says which rank and why)."""
 
@@ -61,9 +66,16 @@ class WorkerSet:
                 proc.stdin.close()
                 self.procs.append(proc)
             by_rank = {}
-            for _ in specs:
-                conn = self._accept(listener)
-                by_rank[conn.recv()] = conn  # the worker's first message: its rank
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
+            try:
+                for _ in specs:
+                    conn = self._accept(listener, deadline)
+                    by_rank[conn.recv()] = conn  # the worker's first message: its rank
+            except BaseException:  # one failed to join: the others must not linger
+                for proc in self.procs:
+                    proc.kill()
+                    proc.wait()
+                raise
             self.conns = [by_rank[spec.rank] for spec in specs]
         self.dead_reason: str | None = None
         self._is_closing = False
@@ -71,13 +83,18 @@ class WorkerSet:
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
 
-    def _accept(self, listener: Listener):
-        """The next worker's connection; WorkerStartError when a worker exits before connecting."""
+    def _accept(self, listener: Listener, deadline: float):
+        """The next worker's connection; WorkerStartError when a worker exits before connecting
+        or none connects by `deadline`."""
         result: list = []
         thread = threading.Thread(target=lambda: result.append(listener.accept()), daemon=True)
         thread.start()
         while not result:
             thread.join(0.1)
+            if not result and time.monotonic() > deadline:
+                raise WorkerStartError(
+                    f"tensor-parallel workers did not connect within {CONNECT_TIMEOUT_S:.0f} s"
+                )
             gone = [p for p in self.procs if p.poll() is not None]
             if gone and not result:
                 raise WorkerStartError(
