@@ -187,6 +187,9 @@ async def test_noop_reconcile_makes_no_writes(api: Api):
     async with operator(api, make_config(resync_seconds=0.3)) as memo:
         await api.create_engine("smol", SMOL)
         await eventually(lambda: _all(owned(api, "smol"), ["svc", "deploy", "pdb"]))
+        if not api.is_kmock:  # the world must stop changing first: the quota refusing the pods
+            # (the api fixture's zero-pod quota) reaches the Deployment, then the status (phase Failed)
+            await eventually(lambda: _status_where(api, "smol", lambda s: s.get("phase") == "Failed"), 30)
         await asyncio.sleep(1.0)  # let the watch events of our own writes settle
         before = memo.ctx.client.num_writes
         outcome = await reconcile(memo.ctx, await api.get(res.INFERENCE_ENGINE, "smol"), "test")
