@@ -24,7 +24,6 @@ from pagedinfer.engine.spec_decode.factory import (
 )
 from pagedinfer.engine.structured.compiler import GrammarCompiler
 from pagedinfer.engine.structured.masks import GrammarMasker
-from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 from pagedinfer.engine.worker.model_runner import ModelRunner
 from pagedinfer.engine.worker.step_types import RunnerConfig
 from pagedinfer.kernels import ops
@@ -80,7 +79,12 @@ def assemble_engine(
     `parallel` (a parallel.driver.TensorParallelEngine, `model` its DriverModel): the workers
     size their KV caches with rank 0, which holds only its heads; steps run eagerly.
     """
-    from pagedinfer.engine.worker.kv_cache import CompanionPool, allocate_kv_caches, determine_num_blocks
+    from pagedinfer.engine.worker.kv_cache import (
+        CompanionPool,
+        allocate_kv_caches,
+        determine_num_blocks,
+        profiling_forward,
+    )
 
     mc = model.config
     device, dtype = model.device, model.dtype
@@ -95,7 +99,9 @@ def assemble_engine(
     per_seq = draft_blocks_per_seq(spec_cfg, block_size, max_model_len)
     draft_pool = CompanionPool(draft_block_bytes(draft, block_size, dtype), spec_cfg.max_batch_size * per_seq)
     if parallel is None:
-        profile = _profile_fn(model, mc, config, device, dtype, backend) if device.type == "cuda" else None
+        profile = (
+            profiling_forward(model, mc, config, device, dtype, backend) if device.type == "cuda" else None
+        )
         num_blocks = determine_num_blocks(mc, config.cache, device, dtype, profile, companion=draft_pool)
         kv_config, runner_class = mc, ModelRunner
     else:
@@ -168,34 +174,3 @@ def assemble_engine(
         device,
     )
     return BuiltEngine(core, mc, tokenizer, max_model_len, device)
-
-
-def _profile_fn(model, mc, config: EngineConfig, device, dtype, backend) -> Callable[[], None]:
-    """One forward at the largest step the scheduler can send, on a throwaway cache."""
-    from pagedinfer.engine.worker.kv_cache import allocate_kv_caches
-
-    num_tokens = config.scheduler.max_num_batched_tokens
-    block_size = config.cache.block_size
-    num_blocks = -(-num_tokens // block_size)
-
-    @torch.inference_mode()
-    def run() -> None:
-        caches = allocate_kv_caches(mc, num_blocks, block_size, device, dtype)
-        md = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=device),
-            positions=torch.arange(num_tokens, device=device) % mc.max_position_embeddings,
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            logits_indices=torch.zeros(config.scheduler.max_num_seqs, dtype=torch.long, device=device),
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            is_pure_decode=False,
-            backend=backend,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-        hidden = model(ids, md.positions, caches, md)
-        model.compute_logits(hidden[md.logits_indices], backend=backend)
-        del caches
-
-    return run

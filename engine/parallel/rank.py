@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -14,8 +13,7 @@ from pagedinfer.engine.parallel.group import TPGroup
 from pagedinfer.engine.parallel.model import TensorParallelLlama
 from pagedinfer.engine.parallel.plan import ShardPlan
 from pagedinfer.engine.parallel.weights import shard_weights
-from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
-from pagedinfer.engine.worker.kv_cache import CompanionPool, allocate_kv_caches, determine_num_blocks
+from pagedinfer.engine.worker.kv_cache import CompanionPool, determine_num_blocks, profiling_forward
 
 logger = logging.getLogger(__name__)
 
@@ -55,38 +53,12 @@ def agree_num_blocks(
 ) -> int:
     """Every rank sizes its own KV cache (its heads, its free memory after a profiling forward
     that all ranks run together), then all take the smallest count: the block tables are shared."""
-    profile = _profile_fn(model, config, backend) if model.device.type == "cuda" else None
+    profile = (
+        profiling_forward(model, model.rank_config, config, model.device, model.dtype, backend)
+        if model.device.type == "cuda"
+        else None
+    )
     num_blocks = determine_num_blocks(
         model.rank_config, config.cache, model.device, model.dtype, profile, companion=companion
     )
     return model.group.min_int(num_blocks)
-
-
-def _profile_fn(model: TensorParallelLlama, config: EngineConfig, backend: str | None) -> Callable[[], None]:
-    """One forward (collectives included) at the largest step the scheduler can send."""
-    num_tokens = config.scheduler.max_num_batched_tokens
-    block_size = config.cache.block_size
-    num_blocks = -(-num_tokens // block_size)
-    device, mc = model.device, model.rank_config
-
-    @torch.inference_mode()
-    def run() -> None:
-        caches = allocate_kv_caches(mc, num_blocks, block_size, device, model.dtype)
-        md = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=device),
-            positions=torch.arange(num_tokens, device=device) % mc.max_position_embeddings,
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            logits_indices=torch.zeros(config.scheduler.max_num_seqs, dtype=torch.long, device=device),
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            is_pure_decode=False,
-            backend=backend,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-        hidden = model(ids, md.positions, caches, md)
-        model.compute_logits(hidden[md.logits_indices], backend=backend)
-        del caches
-
-    return run

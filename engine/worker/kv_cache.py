@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedinfer.engine.config import CacheConfig, ModelConfig
+from pagedinfer.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pagedinfer.engine.worker.attn_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -156,3 +157,36 @@ def _split_budget(budget: int, per_block: int, companion: CompanionPool | None) 
     if cap is not None and num_blocks > cap:  # the companion stops growing at its cap
         num_blocks = (budget - cap * companion.block_bytes) // per_block
     return num_blocks
+
+
+def profiling_forward(
+    model, mc: ModelConfig, config: EngineConfig, device, dtype, backend
+) -> Callable[[], None]:
+    """One forward at the largest step the scheduler can send, on a throwaway cache (a
+    tensor-parallel rank's model runs its collectives in it too): what determine_num_blocks
+    measures the peak memory of."""
+    num_tokens = config.scheduler.max_num_batched_tokens
+    block_size = config.cache.block_size
+    num_blocks = -(-num_tokens // block_size)
+
+    @torch.inference_mode()
+    def run() -> None:
+        caches = allocate_kv_caches(mc, num_blocks, block_size, device, dtype)
+        md = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=device),
+            positions=torch.arange(num_tokens, device=device) % mc.max_position_embeddings,
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            logits_indices=torch.zeros(config.scheduler.max_num_seqs, dtype=torch.long, device=device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            is_pure_decode=False,
+            backend=backend,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        hidden = model(ids, md.positions, caches, md)
+        model.compute_logits(hidden[md.logits_indices], backend=backend)
+        del caches
+
+    return run
