@@ -67,6 +67,10 @@ def _load(text: str) -> object | None:
         return None
 
 
+# A <tool_call> block (Hermes and SmolLM2 write calls in them); an unclosed one runs to the end.
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
 def _content(text: str) -> str | None:
     text = text.strip()
     return text or None
@@ -75,11 +79,10 @@ def _content(text: str) -> str | None:
 class HermesParser(ToolParser):
     name = "hermes"
     start_marker = "<tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         calls = []
-        for match in self._BLOCK.finditer(text):
+        for match in _TOOL_CALL_BLOCK.finditer(text):
             call = _call_of(_load(match.group(1)), "arguments")
             if call is None:
                 return _content(text), []  # not a well-formed call: the text stays content
@@ -98,10 +101,9 @@ class HermesParser(ToolParser):
 class SmolLM2Parser(ToolParser):
     name = "smollm2"
     start_marker = "<tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        match = self._BLOCK.search(text)
+        match = _TOOL_CALL_BLOCK.search(text)
         if match is None:
             return _content(text), []
         loaded = _load(match.group(1))
