@@ -6,7 +6,9 @@ Each (device, batch) runs the same prompts twice: unconstrained (`ignore_eos`, e
 array of records without maxItems: most requests run to max_tokens too). The speed compared is
 the steady state: batch / median step time over the decode steps that held the full batch
 (a request that completes its document early leaves those out), plus the overall output tok/s;
-medians of `--repeats` runs of each, alternated.
+medians of `--repeats` runs of each, alternated. Beside the ratio, the grammar's host cost per
+step (mask fill + application: the sampling phases, constrained minus free) and its share of a
+free step; on a shared CPU whole step times swing by 10-20% between runs, that cost does not.
 The schema is compiled before timing (the server's LRU cache holds it after the first request).
 
     .venv/bin/python -P bench/structured_output.py --out bench/results            # CPU (+ GPU)
@@ -61,6 +63,18 @@ def steady_tok_s(run, batch: int) -> float | None:
     return round(batch / (statistics.median(ms) / 1e3), 2) if ms else None
 
 
+def sampling_ms(run, batch: int) -> float | None:
+    """Median host ms of the sampling phases (LM head, mask fill and application, sampler, and
+    the wait for the samples) over the same steps: where a grammar's whole cost shows, and short
+    enough to stay readable on a noisy shared CPU where whole step times are not."""
+    ms = [
+        s["phases_ms"]["launch_sampling"] + s["phases_ms"]["collect"]
+        for s in run.steps
+        if s["pure_decode"] and s["batch"] == batch and "phases_ms" in s
+    ]
+    return round(statistics.median(ms), 3) if ms else None
+
+
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return round(statistics.median(values), 2) if values else None
@@ -87,11 +101,18 @@ def measure(llm: LLM, batch: int, max_tokens: int, repeats: int) -> dict:
             "seconds": [round(r.seconds, 3) for r in done],
             "output_tok_s": round(statistics.median(r.output_tok_s for r in done), 2),
             "steady_tok_s": _median([steady_tok_s(r, batch) for r in done]),
+            "sampling_ms": _median([sampling_ms(r, batch) for r in done]),
         }
     out["json_schema"]["sample"] = llm.tokenizer.decode(runs["json_schema"][0].token_ids[0])[:120]
     free_s, json_s = out["unconstrained"]["steady_tok_s"], out["json_schema"]["steady_tok_s"]
     out["steady_ratio"] = round(json_s / free_s, 4) if free_s and json_s else None
     out["overall_ratio"] = round(out["json_schema"]["output_tok_s"] / out["unconstrained"]["output_tok_s"], 4)
+    # The grammar's host cost per step (sampling phases, constrained minus free) as a share of a
+    # free step: on the CPU, where nothing overlaps, the step's cost without the noise of the rest.
+    free_ms, json_ms = out["unconstrained"]["sampling_ms"], out["json_schema"]["sampling_ms"]
+    if free_ms is not None and json_ms is not None and free_s:
+        out["grammar_ms_per_step"] = round(json_ms - free_ms, 3)
+        out["grammar_share_of_step"] = round((json_ms - free_ms) / (batch / free_s * 1e3), 4)
     return out
 
 
@@ -129,7 +150,7 @@ def main() -> None:
     )
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternated (medians)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each, alternated (medians)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
@@ -148,7 +169,8 @@ def main() -> None:
             print(
                 f"{device} batch {batch}: unconstrained {r['unconstrained']['steady_tok_s']} tok/s, "
                 f"JSON schema {r['json_schema']['steady_tok_s']} tok/s, ratio {r['steady_ratio']} "
-                f"(overall {r['overall_ratio']})",
+                f"(overall {r['overall_ratio']}); grammar host ms/step {r.get('grammar_ms_per_step')} "
+                f"({r.get('grammar_share_of_step')} of a free step)",
                 flush=True,
             )
         del llm

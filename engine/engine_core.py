@@ -98,7 +98,9 @@ class EngineCore:
     ) -> None:
         self.scheduler = scheduler
         self.async_scheduling = async_scheduling  # lookahead steps (core/lookahead.py)
-        self._inflight: tuple[SchedulerOutput, object] | None = None  # a lookahead step (None: launching)
+        # A lookahead step and its PendingStep (its LaunchedForward while its sampling waits,
+        # `defers_sampling`; None while it is being launched).
+        self._inflight: tuple[SchedulerOutput, object] | None = None
         self.num_lookahead_steps = 0
         self.num_lookahead_admissions = 0  # requests admitted by lookahead steps
         self.num_chained_steps = 0  # device steps verifying drafts made on the device (lookaheads)
@@ -254,12 +256,16 @@ class EngineCore:
             outputs = self._flush_pending()  # CPU work that overlaps the GPU's forward pass
             t_outputs = clock()
             pending = self.runner.launch_sampling(forward, chain=self._may_chain(sched))
+            t_sampling = clock()
+            phases = [t_sched - start, t_forward - t_sched, t_outputs - t_forward, t_sampling - t_outputs]
         else:  # launched by the previous call
             sched, pending = inflight
-            t_sched = t_forward = start
+            if sched.defers_sampling:  # its grammar masks needed the tokens the last call applied
+                pending = self.runner.launch_sampling(pending)
+            t_launched = clock()
             outputs = self._flush_pending()
-            t_outputs = clock()
-        t_sampling = clock()
+            t_sampling = clock()
+            phases = [0.0, 0.0, t_sampling - t_launched, t_launched - start]
         if self.async_scheduling and pending is not None:
             self._launch_lookahead(sched, pending)
         t_lookahead = clock()
@@ -298,10 +304,7 @@ class EngineCore:
                 _attribute_verifications(updates, checks)
                 per_position = _per_position(verified)
         self.last_step_phases = StepPhases(
-            t_sched - start,
-            t_forward - t_sched,
-            t_outputs - t_forward,
-            t_sampling - t_outputs,
+            *phases,
             t_collect - t_lookahead,
             clock() - t_collect,
             t_lookahead - t_sampling,
@@ -348,7 +351,10 @@ class EngineCore:
             # gives them back like any dropped lookahead's.
             self._inflight = (nxt, None)
             forward = self.runner.launch_forward(nxt, feed=pending)
-            self._inflight = (nxt, self.runner.launch_sampling(forward))
+            if nxt.defers_sampling:  # sampled by the next call, once this step's tokens are applied
+                self._inflight = (nxt, forward)
+            else:
+                self._inflight = (nxt, self.runner.launch_sampling(forward))
             self.num_lookahead_steps += 1
             self.num_chained_steps += nxt.num_device_steps if nxt.feeds_drafts else 0
             self.num_lookahead_admissions += len(nxt.sequences) - nxt.num_fed

@@ -10,7 +10,10 @@ device's forward pass instead of sitting between two of them.
 A lookahead continues step N's batch (in N's row order) only where the synchronous scheduler
 would too: every running sequence was in step N, sampled there, and continues with one plain
 decode token; nothing can be preempted; no drafts, forks, penalties (which read the output
-history on the host) or logprobs (their host copy would wait for N+1). A sequence certain to
+history on the host) or logprobs (their host copy would wait for N+1). A sequence with a grammar
+(structured output) rides too, but its mask needs N's token on the host: such a step is launched
+in two parts, its forward behind N at once and its sampling (mask fill included) once N's tokens
+are applied (`defers_sampling`), so the forward still overlaps the host's work. A sequence certain to
 finish at N (max_tokens or the context length reached) gets no row. One that stops at N on a
 sampled token (EOS, stop ids) computes one token at N+1 that is discarded; its KV slot went back
 with its blocks, and the stream order puts N+1's write before any later owner's. And a sequence
@@ -57,6 +60,7 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
     feed_rows: list[int] = []  # the row of N's samples each planned sequence takes
     seqs = []
     num_live = 0  # N's sequences still running: every running sequence must be one of them
+    defers_sampling = False
     for i, s in enumerate(prev.sequences):
         row = s.sample
         if row is None or s.num_spec_tokens or s.fork_rows:
@@ -69,8 +73,6 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
         num_live += 1
         params = row.sampling_params
         if params.logprobs is not None or params.has_penalties:
-            return None
-        if params.structured_output is not None:  # its grammar mask needs N's token on the host
             return None
         position = s.num_computed_tokens + len(s.token_ids)  # where N's sampled token goes
         if seq.num_kv_tokens != position or seq.num_computed_tokens != s.num_computed_tokens:
@@ -93,6 +95,7 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
         )
         seqs.append(seq)
         feed_rows.append(i)
+        defers_sampling = defers_sampling or params.structured_output is not None
     if num_live != len(scheduler.running) or not planned:
         return None  # a running sequence N does not hold, or nothing continues
     seq_ids = [s.seq_id for s in planned]
@@ -114,7 +117,9 @@ def plan_lookahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutp
         drop_lookahead(scheduler, partial)
         raise
     rows = None if len(feed_rows) == len(planned) == len(prev.sequences) else feed_rows
-    return SchedulerOutput(planned, layout, copies, [], feeds_previous=True, feed_rows=rows)
+    return SchedulerOutput(
+        planned, layout, copies, [], feeds_previous=True, feed_rows=rows, defers_sampling=defers_sampling
+    )
 
 
 def resolve_lookahead(scheduler: Scheduler, lookahead: SchedulerOutput) -> None:

@@ -77,6 +77,9 @@ class SchedulerOutput:
     # resolved. Those fed sequences come first; requests admitted by the lookahead follow them.
     feeds_previous: bool = False
     feed_rows: list[int] | None = None  # the row of that step's samples each fed sequence takes; None: i
+    # A fed sequence has a grammar: its mask needs the step before's token on the host, so the
+    # step's forward is launched ahead but its sampling only once that step's tokens are applied.
+    defers_sampling: bool = False
     # A chained speculative step (core/spec_lookahead.py): every sequence's inputs (the bonus token
     # + K drafts) and positions come from the step before, on the device. It runs
     # `num_device_steps` such verification steps back to back, each fed by the one before, and is

@@ -4,9 +4,10 @@ single and unchanged here; every model call is mirrored to the workers first.
 `start_tensor_parallel` validates the split (a clear error naming the numbers, before any
 process starts), spawns ranks 1..tp-1, joins the process group and loads rank 0's shard while
 the workers load theirs. `DriverModel` stands in for the model in the runner: each forward
-and each LM-head call sends one message (messages.py) and then runs rank 0's shard, whose
-collectives meet the workers'. `DriverRunner` adds the step's KV block copies to the forward's
-message. CUDA graphs are not captured under tensor parallelism (every rank would have to
+sends one message (messages.py) and then runs rank 0's shard, whose collectives meet the
+workers', including the LM head at the rows the step samples, which every rank runs right after
+the forward; `DriverRunner` samples from those logits and adds the step's KV block copies to
+the forward's message. Any other LM-head call (prompt logprobs) is a message of its own. CUDA graphs are not captured under tensor parallelism (every rank would have to
 capture and replay in lockstep): steps run eagerly.
 """
 
@@ -46,6 +47,8 @@ class DriverModel:
         self.workers = workers
         self.config: ModelConfig = shard.config
         self._block_copies: torch.Tensor | None = None
+        # The last forward's (hidden, logits_indices, logits at those rows in the GEMM's dtype).
+        self._sampled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -71,7 +74,23 @@ class DriverModel:
         self._block_copies = None
         self.workers.send(header)
         self.shard.group.broadcast(payload)
-        return self.shard(input_ids, positions, kv_caches, attn_metadata)
+        hidden = self.shard(input_ids, positions, kv_caches, attn_metadata)
+        indices = attn_metadata.logits_indices
+        self._sampled = None
+        if header.num_logit_rows:  # the workers run theirs now: the all-gather must meet them here
+            logits = self.shard.compute_logits(hidden[indices], upcast=False, backend=header.backend)
+            self._sampled = (hidden, indices, logits)
+        return hidden
+
+    def sampled_logits(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor, upcast: bool
+    ) -> torch.Tensor | None:
+        """The logits of the forward that returned `hidden` at `logits_indices` (the very tensors),
+        or None when they are not that forward's."""
+        sampled, self._sampled = self._sampled, None
+        if sampled is None or sampled[0] is not hidden or sampled[1] is not logits_indices:
+            return None
+        return sampled[2].float() if upcast else sampled[2]
 
     def compute_logits(
         self, hidden: torch.Tensor, upcast: bool = True, backend: str | None = None
@@ -90,6 +109,12 @@ class DriverRunner(ModelRunner):
             copies = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.config.device)
             self.model.stage_block_copies(copies)
         return super().launch_forward(sched, feed)
+
+    def sampled_logits(self, hidden, logits_indices, upcast):
+        logits = self.model.sampled_logits(hidden, logits_indices, upcast)
+        if logits is None:  # (not the last forward's rows: the LM head as a message of its own)
+            return super().sampled_logits(hidden, logits_indices, upcast)
+        return logits
 
     # the workers run every call with rank 0: a step that fails midway cannot be resumed
     runs_in_lockstep = True

@@ -1,7 +1,7 @@
 """A worker rank's process: join the group, load its shard, then execute what rank 0 sends.
 
 Workers never schedule or sample: each message on the pipe (messages.py) is one model call
-whose tensors follow as one broadcast. The pipe, not a collective, carries the wait between
+(a forward with the LM head at its sampled rows) whose tensors follow as one broadcast. The pipe, not a collective, carries the wait between
 steps, so an idle engine never times out. Rank 0 gone (pipe closed) or any error: the worker
 exits non-zero (rank 0 watches every worker and takes the engine down, driver.py).
 """
@@ -66,7 +66,10 @@ class _Executor:
                 ops.copy_blocks(
                     [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], inputs.block_copies
                 )
-            model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            md = inputs.attn_metadata
+            hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, md)
+            if msg.num_logit_rows:  # rank 0's own LM head at these rows gathers with this one
+                model.compute_logits(hidden[md.logits_indices], upcast=False, backend=msg.backend)
         elif isinstance(msg, LogitsCall):
             hidden = torch.empty((msg.num_rows, model.config.hidden_size), dtype=model.dtype, device=device)
             model.compute_logits(model.group.broadcast(hidden), upcast=False, backend=msg.backend)

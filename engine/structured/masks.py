@@ -13,8 +13,12 @@ each draft, fills the next row, and rolls them back; a draft the grammar forbids
 equal its row's draw, so it and everything after it are rejected. Stop (EOS) tokens are allowed
 only where the grammar accepts the output as complete; once complete, only they are allowed.
 
-Grammar rows never ride a lookahead or a device chain (SamplingParams.is_history_free is False
-for them): their masks need the previous step's tokens on the host.
+Grammar rows never ride a device chain (SamplingParams.is_history_free is False for them): their
+masks need the previous step's tokens on the host. They do ride a lookahead step, whose sampling
+is launched only after the step before's tokens are applied (core/lookahead.py); a row there whose
+sequence stopped at that step (a stop token, an abort) is computed and dropped, and gets a mask
+that touches no matcher where it can't: stop tokens only once its grammar has terminated, every
+token where the host no longer holds the tokens before it (a stop string's cut).
 """
 
 from __future__ import annotations
@@ -32,13 +36,21 @@ from pagedinfer.engine.structured.spec import StructuredOutput
 logger = logging.getLogger(__name__)
 
 
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}  # [256, 8] bool: bit k of byte value b
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with the tokens whose bit is 0 in bitmask [N, ceil(V / 32)] int32 set to -inf
     (out of place; bit j of word w is token 32 w + j)."""
     num_rows, vocab = logits.shape
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1)[:, :vocab]  # [N, V]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    bits = _BYTE_BITS.get(bitmask.device)
+    if bits is None:
+        bits = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().to(bitmask.device)
+        _BYTE_BITS[bitmask.device] = bits
+    # One lookup per byte instead of 32 shifts per word: the words' bytes in memory order
+    # (little-endian) are tokens 8 i .. 8 i + 7, low bit first.
+    allowed = bits[bitmask.view(torch.uint8).long()].view(num_rows, -1)[:, :vocab]  # [N, V]
+    return torch.where(allowed, logits, float("-inf"))
 
 
 @dataclass
@@ -76,11 +88,11 @@ class GrammarMasker:
         for g in groups:
             row = rows[g.first_row]
             spec = row.sampling_params.structured_output
-            if spec is None:
-                continue
+            if spec is None or row.output_position > len(row.output_token_ids):
+                continue  # (the latter: a dropped lookahead row after a stop string's cut)
             state = self._sync(row, spec, xgrammar)
             live[row.seq_id] = state
-            if state.is_broken:
+            if state.is_broken or state.matcher.is_terminated():  # (terminated: a dropped lookahead row)
                 self._only_stops(host, g.first_row, len(g.draft_token_ids) + 1)
                 continue
             self._fill_group(state.matcher, host, g.first_row, g.draft_token_ids)

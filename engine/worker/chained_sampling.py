@@ -147,9 +147,7 @@ class ChainedSampling:
         token there - its accepted drafts, then the corrected or bonus token, which never equals
         the draft it replaces (a rejected draft x had p(x) < q(x): max(0, p - q) is 0 at x) - so
         the accept kernel's matching keeps exactly the sampler's tokens."""
-        logits = self.model.compute_logits(
-            fwd.hidden[fwd.logits_indices], upcast=False, backend=self.config.attention_backend
-        )
+        logits = self.sampled_logits(fwd.hidden, fwd.logits_indices, upcast=False)
         groups, k = fwd.groups, chain.k
         device = logits.device
         if fwd.fed_chain is None:  # a chain's first step: the proposal's drafts and q
@@ -193,9 +191,7 @@ class ChainedSampling:
         """Logits [N, V] (the GEMM's dtype) at the sampled rows and each row's draw [N]: the
         argmax when every row is plain greedy (`meta` None or so), else the plain sampler's
         draw, seeded rows at output positions read from the chain's histories."""
-        logits = self.model.compute_logits(
-            hidden[logits_indices], upcast=False, backend=self.config.attention_backend
-        )
+        logits = self.sampled_logits(hidden, logits_indices, upcast=False)
         if meta is None or is_plain_greedy(meta):
             return logits, argmax_rows(logits, self.config.attention_backend)
         _set_seeded_positions(meta, seeded, chain)  # (each device step's: its histories grew)

@@ -260,10 +260,8 @@ class ModelRunner(ChainedSampling):
         speculative = self.spec_decoder is not None and any(g.draft_token_ids for g in groups)
         # A plain greedy batch samples (or verifies, see SpecVerifier) the argmax of the GEMM's own
         # output: no fp32 copy of [N, V].
-        upcast = not is_plain_greedy(meta)
-        hidden = fwd.hidden[fwd.logits_indices]
-        logits = self.model.compute_logits(
-            hidden, upcast=upcast, backend=self.config.attention_backend
+        logits = self.sampled_logits(
+            fwd.hidden, fwd.logits_indices, upcast=not is_plain_greedy(meta)
         )  # [N, V]
         if speculative:
             # All greedy or point-mass drafts (n-gram): each row's draw and its host copy are
@@ -277,6 +275,15 @@ class ModelRunner(ChainedSampling):
         sampled = self.sampler(logits, meta)
         host_ids = self._to_host(sampled.token_ids)
         return PendingStep(start, rows, groups, meta, logits, sampled, self._gpu_event(), host_ids)
+
+    def sampled_logits(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor, upcast: bool
+    ) -> torch.Tensor:
+        """The LM head at the rows a forward samples (`hidden` and `logits_indices` as the
+        forward returned and took them): logits [N, V]."""
+        return self.model.compute_logits(
+            hidden[logits_indices], upcast=upcast, backend=self.config.attention_backend
+        )
 
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """On CUDA a non-blocking copy into pinned memory, ordered before the step's end event:

@@ -172,3 +172,38 @@ def test_head_count_tp_does_not_divide_is_refused_at_startup():
         TensorParallelConfigError, match="size 2 does not divide the model's 9 attention heads"
     ):
         build_engine(config)
+
+
+def test_one_message_per_step_and_prompt_logprobs_beside_it(checkpoint):
+    """A step is one message to the workers (the LM head at the sampled rows rides the forward);
+    prompt logprobs, an LM head at other rows, still match tp = 1 around it."""
+    model = checkpoint("llama-gqa", vocab_size=385)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    prompts = [[5, 17, 33, 2, 9, 100, 7], [40, 41, 42, 43]]
+    results = {}
+    sent: list[str] = []
+
+    def counting(send):
+        return lambda msg: (sent.append(type(msg).__name__), send(msg))[1]
+
+    for size in (1, 2):
+        engine = LLM(_config(model, size, is_mixed=False))
+        try:
+            if size == 2:
+                workers = engine.core.runner.model.workers
+                workers.send = counting(workers.send)
+            forwards = engine.core.runner.num_device_steps
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            forwards = engine.core.runner.num_device_steps - forwards
+            results[size] = [
+                (o.token_ids, [(p.sampled.token_id, p.sampled.logprob) for p in o.prompt_logprobs])
+                for o in outs
+            ]
+        finally:
+            engine.core.close()
+    assert sent.count("ForwardCall") == forwards  # one message a step ...
+    assert sent.count("LogitsCall") == len(prompts)  # ... plus each prompt's prompt-logprobs LM head
+    for (ids, lps), (ref_ids, ref_lps) in zip(results[2], results[1], strict=True):
+        assert ids == ref_ids
+        assert [t for t, _ in lps] == [t for t, _ in ref_lps]
+        torch.testing.assert_close([lp for _, lp in lps], [lp for _, lp in ref_lps], rtol=1e-4, atol=1e-4)
