@@ -7,8 +7,9 @@ the workers load theirs. `DriverModel` stands in for the model in the runner: ea
 sends one message (messages.py) and then runs rank 0's shard, whose collectives meet the
 workers', including the LM head at the rows the step samples, which every rank runs right after
 the forward; `DriverRunner` samples from those logits and adds the step's KV block copies to
-the forward's message. Any other LM-head call (prompt logprobs) is a message of its own. CUDA graphs are not captured under tensor parallelism (every rank would have to
-capture and replay in lockstep): steps run eagerly.
+the forward's message. Any other LM-head call (prompt logprobs) is a message of its own.
+CUDA graphs are not captured under tensor parallelism (every rank would have to capture and
+replay in lockstep): steps run eagerly.
 """
 
 from __future__ import annotations
