@@ -39,7 +39,8 @@ StepListener = Callable[[StepStats], None]
 @dataclass(slots=True)
 class StepPhases:
     """Host wall time of the last step's phases, seconds (benchmarks read it to attribute the
-    time the GPU waits for: everything but `outputs` and `collect` runs while it idles)."""
+    time the GPU waits for: everything but `outputs`, `collect` and a deferred sampling's launch,
+    which its forward overlaps, runs while it idles)."""
 
     schedule: float = 0.0
     launch_forward: float = 0.0  # input staging + graph replay / eager forward enqueue
@@ -103,6 +104,7 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.num_lookahead_steps = 0
         self.num_lookahead_admissions = 0  # requests admitted by lookahead steps
+        self.num_deferred_sampling_steps = 0  # lookahead steps sampled a call later (grammars)
         self.num_chained_steps = 0  # device steps verifying drafts made on the device (lookaheads)
         # forward passes whose results a step applied (the runner counts them at launch; an async
         # step applies the passes the step before launched, so per step the two differ)
@@ -247,7 +249,7 @@ class EngineCore:
         """
         clock = time.perf_counter
         start = clock()
-        inflight, self._inflight = self._inflight, None
+        inflight = self._inflight
         if inflight is None:
             sched = self.scheduler.schedule()
             t_sched = clock()
@@ -261,7 +263,8 @@ class EngineCore:
         else:  # launched by the previous call
             sched, pending = inflight
             if sched.defers_sampling:  # its grammar masks needed the tokens the last call applied
-                pending = self.runner.launch_sampling(pending)
+                pending = self.runner.launch_sampling(pending)  # (failing: step() drops it)
+            self._inflight = None
             t_launched = clock()
             outputs = self._flush_pending()
             t_sampling = clock()
@@ -356,6 +359,7 @@ class EngineCore:
             else:
                 self._inflight = (nxt, self.runner.launch_sampling(forward))
             self.num_lookahead_steps += 1
+            self.num_deferred_sampling_steps += nxt.defers_sampling
             self.num_chained_steps += nxt.num_device_steps if nxt.feeds_drafts else 0
             self.num_lookahead_admissions += len(nxt.sequences) - nxt.num_fed
 

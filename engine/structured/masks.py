@@ -15,10 +15,11 @@ only where the grammar accepts the output as complete; once complete, only they 
 
 Grammar rows never ride a device chain (SamplingParams.is_history_free is False for them): their
 masks need the previous step's tokens on the host. They do ride a lookahead step, whose sampling
-is launched only after the step before's tokens are applied (core/lookahead.py); a row there whose
-sequence stopped at that step (a stop token, an abort) is computed and dropped, and gets a mask
-that touches no matcher where it can't: stop tokens only once its grammar has terminated, every
-token where the host no longer holds the tokens before it (a stop string's cut).
+is launched only after the step before's tokens are applied (core/lookahead.py). A row there whose
+sequence stopped at that step on a stop token is computed and dropped; its grammar has terminated
+(xgrammar fills no mask after a stop) and the row gets stop tokens only. A row whose sequence a
+stop string finished after the step was planned, cutting tokens of a multi-token step, gets no
+mask and no matcher work: its draw is dropped too.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class GrammarMasker:
             row = rows[g.first_row]
             spec = row.sampling_params.structured_output
             if spec is None or row.output_position > len(row.output_token_ids):
-                continue  # (the latter: a dropped lookahead row after a stop string's cut)
+                continue  # (the latter: its sequence just stopped on a string that cut tokens)
             state = self._sync(row, spec, xgrammar)
             live[row.seq_id] = state
             if state.is_broken or state.matcher.is_terminated():  # (terminated: a dropped lookahead row)

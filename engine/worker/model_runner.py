@@ -159,6 +159,8 @@ class ModelRunner(ChainedSampling):
         if fed_chain is None:
             launched = LaunchedForward(start, rows, groups, hidden, logits_indices)
             launched.prompt_logprobs = self._prompt_logprobs(sched, hidden)
+            if sched.defers_sampling:
+                launched.forward_end = self._gpu_event()
             return launched
         launched = LaunchedForward(
             start,
@@ -234,9 +236,12 @@ class ModelRunner(ChainedSampling):
         `chain`: decide acceptance and the next step's drafts on the device, if the step allows it
         (`PendingStep.chain` says whether it did; a chained step always does).
         """
+        resumed = self._gpu_event() if fwd is not None and fwd.forward_end is not None else None
         pending = self._launch_sampling(fwd, chain)
         if pending is not None and fwd is not None and fwd.prompt_logprobs:
             pending.prompt_logprobs = fwd.prompt_logprobs
+        if pending is not None and resumed is not None:
+            pending.idle_gap = (fwd.forward_end, resumed)
         return pending
 
     @torch.inference_mode()
@@ -324,7 +329,7 @@ class ModelRunner(ChainedSampling):
             )
         if pending.prompt_logprobs:
             result.prompt_logprobs = [chunk.to_host() for chunk in pending.prompt_logprobs]
-        self._gpu_mark_end(pending.start, pending.end)
+        self._gpu_mark_end(pending.start, pending.end, pending.idle_gap)
         return result
 
     def _graph_key(self, sched: SchedulerOutput) -> GraphKey | None:
@@ -467,7 +472,12 @@ class ModelRunner(ChainedSampling):
         ev.record()
         return ev
 
-    def _gpu_mark_end(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None) -> None:
+    def _gpu_mark_end(
+        self,
+        start: torch.cuda.Event | None,
+        end: torch.cuda.Event | None,
+        idle_gap: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> None:
         if start is None:
             return
         if end is None:
@@ -475,5 +485,7 @@ class ModelRunner(ChainedSampling):
         end.synchronize()
         if self._prev_end is not None:
             self.gpu_idle_s_total += self._prev_end.elapsed_time(start) / 1e3
-        self.gpu_busy_s_total += start.elapsed_time(end) / 1e3
+        gap_s = idle_gap[0].elapsed_time(idle_gap[1]) / 1e3 if idle_gap is not None else 0.0
+        self.gpu_idle_s_total += gap_s
+        self.gpu_busy_s_total += start.elapsed_time(end) / 1e3 - gap_s
         self._prev_end = end

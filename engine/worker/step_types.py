@@ -79,6 +79,9 @@ class LaunchedForward:
     # A chained step's draft-model drafts' q [B, K, V] where some row samples (None: greedy)
     draft_probs: torch.Tensor | None = None
     prompt_logprobs: list[DevicePromptLogprobs] | None = None  # prompts that asked for them
+    # After the forward, where its sampling is launched later (SchedulerOutput.defers_sampling):
+    # the GPU may idle from here until then.
+    forward_end: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -98,6 +101,8 @@ class PendingStep:
     chain: ChainStep | None = None  # acceptance + next drafts decided on the device (device_chain.py)
     chain_steps: list[ChainStep] | None = None  # several device steps: each one's (`chain`: the last)
     prompt_logprobs: list[DevicePromptLogprobs] | None = None
+    # (forward end, sampling start) of a deferred sampling: GPU time idle, not busy
+    idle_gap: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 @dataclass(slots=True)

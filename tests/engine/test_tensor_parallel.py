@@ -207,3 +207,46 @@ def test_one_message_per_step_and_prompt_logprobs_beside_it(checkpoint):
         assert ids == ref_ids
         assert [t for t, _ in lps] == [t for t, _ in ref_lps]
         torch.testing.assert_close([lp for _, lp in lps], [lp for _, lp in ref_lps], rtol=1e-4, atol=1e-4)
+
+
+def test_lookahead_and_deferred_grammar_sampling_under_tp3():
+    """Async scheduling under tensor parallelism: plain and grammar lookahead steps (whose
+    sampling comes a call later) take the logits every rank computed with their forward, and
+    outputs equal synchronous steps' at the same tp."""
+    from pagedinfer.engine.structured.spec import StructuredOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    spec = StructuredOutput.json_schema(schema, strict=True)
+    sent: list[str] = []
+    results = {}
+    for async_scheduling in (False, True):
+        config = EngineConfig(
+            model=SMOLLM2,
+            tensor_parallel_size=3,
+            device=DeviceConfig(device="cpu"),
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(async_scheduling=async_scheduling),
+        )
+        engine = LLM(config)
+        try:
+            prompts = [
+                engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+                for q in ("Give a number as JSON.", "Say hi.")
+            ]
+            params = [
+                SamplingParams(max_tokens=12, temperature=0.0, structured_output=spec),
+                SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),  # alone at the end
+            ]
+            workers = engine.core.runner.model.workers
+            send = workers.send
+            if async_scheduling:
+                workers.send = lambda msg, send=send: (sent.append(type(msg).__name__), send(msg))[1]
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            results[async_scheduling] = [o.token_ids for o in outs]
+            if async_scheduling:
+                assert engine.core.num_deferred_sampling_steps > 0
+                assert engine.core.num_lookahead_steps > engine.core.num_deferred_sampling_steps
+        finally:
+            engine.core.close()
+    assert "ForwardCall" in sent and "LogitsCall" not in sent  # every step's logits came with it
+    assert results[True] == results[False]

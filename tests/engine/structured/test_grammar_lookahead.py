@@ -74,10 +74,10 @@ def _assert_idle_and_free(llm: LLM) -> None:
 def test_grammar_batches_look_ahead_and_match_synchronous_steps(pair) -> None:
     sync, asyn = pair
     prompts, params = _requests(sync)
-    before = asyn.core.num_lookahead_steps
+    before = asyn.core.num_deferred_sampling_steps
     expected = sync.generate(prompt_token_ids=prompts, sampling_params=params)
     got = asyn.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert asyn.core.num_lookahead_steps - before >= 20  # the grammar rows rode lookahead steps
+    assert asyn.core.num_deferred_sampling_steps - before >= 20  # grammar rows rode lookahead steps
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert [o.completions[0].finish_reason for o in got] == [o.completions[0].finish_reason for o in expected]
     for out, p in zip(got, params, strict=True):
@@ -98,7 +98,12 @@ def test_an_abort_while_a_grammar_lookahead_is_in_flight(pair) -> None:
         if not core.has_unfinished():
             break
         if step in (6, 9):  # each has a row in the lookahead step in flight, sampled after this
-            outputs += core.abort(f"abort-{1 if step == 6 else 3}")
+            request_id = f"abort-{1 if step == 6 else 3}"
+            inflight = core._inflight[0]  # (white box: the case this test is about)
+            seq_ids = {s.seq_id for s in inflight.sequences}
+            assert inflight.defers_sampling
+            assert any(r.request_id == request_id and r.seq_id in seq_ids for r in core.scheduler.running)
+            outputs += core.abort(request_id)
         outputs += core.step()
     assert not core.has_unfinished()
     reasons = {o.request_id: o.deltas[0].finish_reason for o in outputs if o.finished}
