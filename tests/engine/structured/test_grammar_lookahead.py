@@ -5,6 +5,7 @@ or are aborted while a step planned after them is in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import jsonschema
@@ -110,4 +111,37 @@ def test_an_abort_while_a_grammar_lookahead_is_in_flight(pair) -> None:
     assert reasons == {"abort-0": "stop", "abort-1": "abort", "abort-2": "length", "abort-3": "abort"} | {
         "abort-4": reasons["abort-4"]  # sampled: its document may or may not complete in 40 tokens
     }
+    _assert_idle_and_free(asyn)
+
+
+def test_a_deferred_sampling_that_fails_to_launch_gives_back_its_slots(pair) -> None:
+    """The deferred sampling launch of a grammar lookahead fails (a mask fill error, say): its
+    KV slots go back like any dropped lookahead's, and a caller that keeps stepping gets the
+    synchronous engine's output with no block left behind."""
+    sync, asyn = pair
+    prompts, params = _requests(sync)
+    (expected,) = sync.generate(prompt_token_ids=[prompts[1]], sampling_params=params[1])
+    core = asyn.core
+    grammar = core.runner.grammar
+    real_bitmask, calls = grammar.bitmask, [0]
+
+    def flaky(rows, groups):
+        calls[0] += 1
+        if calls[0] == 3:  # the prefill's, then deferred launches: the second of those
+            assert core.num_deferred_sampling_steps >= 2
+            raise RuntimeError("transient failure")
+        return real_bitmask(rows, groups)
+
+    grammar.bitmask = flaky
+    tokens: list[int] = []
+    try:
+        core.add_request("flaky", prompts[1], params[1])
+        while core.has_unfinished():
+            with contextlib.suppress(RuntimeError):
+                for out in core.step():
+                    tokens += out.deltas[0].token_ids
+    finally:
+        del grammar.bitmask  # the class's method again
+    assert calls[0] > 3
+    assert tokens == expected.token_ids
     _assert_idle_and_free(asyn)
