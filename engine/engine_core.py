@@ -24,6 +24,7 @@ from pagedinfer.engine.core.scheduler_output import (
     StepStats,
 )
 from pagedinfer.engine.core.spec_lookahead import plan_spec_lookahead, resolve_spec_lookahead
+from pagedinfer.engine.core.verification_counts import attribute_verifications, per_position_counts
 from pagedinfer.engine.errors import EngineOverloadedError, InvalidRequestError
 from pagedinfer.engine.output_processor import OutputProcessor
 from pagedinfer.engine.outputs import RequestOutput
@@ -304,8 +305,8 @@ class EngineCore:
             result.num_accepted_tokens = sum(a for _, _, a in verified)
             result.num_verified_seqs = len(verified)
             if verified:
-                _attribute_verifications(updates, checks)
-                per_position = _per_position(verified)
+                attribute_verifications(updates, checks)
+                per_position = per_position_counts(verified)
         self.last_step_phases = StepPhases(
             *phases,
             t_collect - t_lookahead,
@@ -480,29 +481,3 @@ class EngineCore:
             "kv_free_blocks": float(self.scheduler.kv.num_free_blocks),
             "kv_total_blocks": float(self.scheduler.kv.num_blocks),
         }
-
-
-def _attribute_verifications(updates: list[SequenceUpdate], checks: list[tuple[int, int, int]]) -> None:
-    """Each sequence's verifications of this step onto its update, in emission order, for the
-    request's usage (a chained step verifies several times per sequence; its no-draft device
-    steps stay in the list: the output processor walks the tokens by them)."""
-    by_seq = {u.seq_id: u for u in updates}
-    for seq_id, drafts, accepted in checks:
-        u = by_seq.get(seq_id)
-        if u is not None:
-            if u.verifications is None:
-                u.verifications = []
-            u.verifications.append((drafts, accepted))
-
-
-def _per_position(checks: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(drafts verified, accepted) per draft position over the step's verifications: a
-    verification of k drafts that accepted a checks positions 0..k-1 and accepts 0..a-1."""
-    width = max(k for _, k, _ in checks)
-    drafted, accepted = [0] * width, [0] * width
-    for _, k, a in checks:
-        for i in range(k):
-            drafted[i] += 1
-        for i in range(a):
-            accepted[i] += 1
-    return tuple(drafted), tuple(accepted)

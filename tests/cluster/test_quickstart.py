@@ -38,10 +38,12 @@ def _sections() -> list[tuple[str, list[str]]]:
     return out
 
 
-def _run(cli: Cli, command: str, attempts: int = 50) -> str:
-    """One line of the page; read-only commands are retried while the operator catches up."""
+def _run(cli: Cli, command: str, timeout_s: float = 90.0) -> str:
+    """One line of the page; read-only commands are retried while the operator catches up (on
+    2 busy cores its first reconcile has taken over 25 s)."""
     env = {**cli.env, "PATH": f"{TOOLS}:{os.environ['PATH']}"}
-    for _ in range(attempts):
+    deadline = time.monotonic() + timeout_s
+    while True:
         proc = subprocess.run(
             ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
         )
@@ -50,10 +52,11 @@ def _run(cli: Cli, command: str, attempts: int = 50) -> str:
         if proc.returncode == 0 or " get " in command:
             if proc.returncode == 0 and not command.startswith("kubectl get"):
                 return proc.stdout
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{command} gave nothing in {timeout_s} s: {proc.stdout}\n{proc.stderr}")
             time.sleep(0.2)
             continue
         raise AssertionError(f"{command}\n-> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    raise AssertionError(f"{command} gave nothing: {proc.stdout}\n{proc.stderr}")
 
 
 def test_every_runnable_command_is_checked():
@@ -82,7 +85,11 @@ async def test_quickstart_page_runs_on_a_real_api_server(cli: Cli, crds: None):
                         continue
                     outputs[command] = await asyncio.to_thread(_run, cli, command)
                     if command.startswith("kubectl apply -n demo"):
-                        await asyncio.to_thread(_run, cli, "kubectl get deployment smollm2 -n demo")
+                        try:
+                            await asyncio.to_thread(_run, cli, "kubectl get deployment smollm2 -n demo")
+                        except AssertionError as exc:  # what the operator made of it, for the log
+                            state = cli.kubectl("get", "ie,events", "-n", "demo", "-o", "yaml")
+                            raise AssertionError(f"{exc}\n{state}") from None
                     if command.startswith("kubectl scale ie"):
                         await asyncio.to_thread(
                             _run,
