@@ -1,8 +1,8 @@
 """A worker rank's process: join the group, load its shard, then execute what rank 0 sends.
 
 Workers never schedule or sample: each message on the pipe (messages.py) is one model call
-(a forward with the LM head at its sampled rows) whose tensors follow as one broadcast. The pipe, not a collective, carries the wait between
-steps, so an idle engine never times out. Rank 0 gone (pipe closed) or any error: the worker
+(a forward with the LM head at its sampled rows) whose tensors follow as one broadcast. The
+pipe, not a collective, carries the wait between steps, so an idle engine never times out. Rank 0 gone (pipe closed) or any error: the worker
 exits non-zero (rank 0 watches every worker and takes the engine down, driver.py).
 """
 
