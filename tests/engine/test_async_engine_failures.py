@@ -73,6 +73,19 @@ async def _drain(gen) -> None:
         pass
 
 
+async def _fail_a_live_stream(engine, core: _BrokenCore) -> list[str]:
+    """Open a stream, then make the core's step fail: the stream ends with the step's error.
+    Returns the list the engine's death listener appends its reasons to."""
+    reasons: list[str] = []
+    engine.add_death_listener(reasons.append)
+    gen = engine.generate(prompt_token_ids=[1, 2], sampling_params=PARAMS)
+    await asyncio.wait_for(gen.__anext__(), 10)
+    core.fail.set()
+    with pytest.raises(EngineDeadError, match="step exploded"):
+        await asyncio.wait_for(_drain(gen), 10)
+    return reasons
+
+
 async def test_step_and_abort_failing_fail_every_stream_and_turn_the_handle_failed():
     """Failing the streams must not depend on abort working: the open stream gets the step's
     error, the engine dies (the core's state is unknown), and the handle reports it (503s)."""
@@ -82,13 +95,7 @@ async def test_step_and_abort_failing_fail_every_stream_and_turn_the_handle_fail
     handle.on_death(lambda: deaths.append(handle.state))
     await handle.start_loading()
     engine = handle.engine
-    reasons = []
-    engine.add_death_listener(reasons.append)
-    gen = engine.generate(prompt_token_ids=[1, 2], sampling_params=PARAMS)
-    await asyncio.wait_for(gen.__anext__(), 10)
-    core.fail.set()
-    with pytest.raises(EngineDeadError, match="step exploded"):
-        await asyncio.wait_for(_drain(gen), 10)
+    reasons = await _fail_a_live_stream(engine, core)
     await until(lambda: engine.dead_error is not None, 10)
     with pytest.raises(EngineDeadError, match="aborting its requests failed"):  # at once
         await asyncio.wait_for(collect(engine, [1, 2], PARAMS), 1)
@@ -124,12 +131,6 @@ async def test_a_failed_step_of_a_lockstep_core_ends_the_engine():
     core.step_failure_is_fatal = True
     engine = _engine(core)
     await engine.wait_ready()
-    reasons = []
-    engine.add_death_listener(reasons.append)
-    gen = engine.generate(prompt_token_ids=[1, 2], sampling_params=PARAMS)
-    await asyncio.wait_for(gen.__anext__(), 10)
-    core.fail.set()
-    with pytest.raises(EngineDeadError, match="step exploded"):
-        await asyncio.wait_for(_drain(gen), 10)
+    reasons = await _fail_a_live_stream(engine, core)
     await until(lambda: reasons, 10)
     assert "tensor-parallel engine cannot go on" in reasons[0]
